@@ -1,0 +1,36 @@
+"""EngineConfig: every speed feature is a named switch with a default, so benchmarks can flip them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto (= float32 on CPU) | float32 | bfloat16
+    max_model_len: int | None = None  # default: min(model context, 8192)
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb
+    enable_prefix_caching: bool = True
+    # scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
+    # model execution
+    fuse_projections: bool = True  # one matmul for q/k/v and one for gate/up
+    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    seed: int = 0  # seed of the sampler for requests that bring none
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**options)

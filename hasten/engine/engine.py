@@ -1,0 +1,316 @@
+"""LLMEngine: one step = schedule -> run the model -> sample -> update requests -> outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hasten.config import EngineConfig
+from hasten.engine.detokenizer import IncrementalDetokenizer
+from hasten.engine.kv_cache import KVCacheManager
+from hasten.engine.model_runner import ModelRunner
+from hasten.engine.request import Request, RequestStatus
+from hasten.engine.sampler import Sampler, prompt_logprobs_for
+from hasten.engine.scheduler import Scheduler, SchedulerConfig
+from hasten.model.config import ModelConfig
+from hasten.model.decoder import Decoder
+from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
+from hasten.outputs import CompletionOutput, RequestOutput
+from hasten.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over its limit (the server answers 429)."""
+
+
+@dataclass
+class _Group:
+    """A user request: n sequences sharing one prompt, plus what has been emitted so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer | None]
+    emitted_tokens: list[int]
+    emitted_logprobs: list[int]
+    finished_reported: bool = False
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    table = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}: use auto, float32 or bfloat16")
+    return table[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        t0 = time.time()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        folder = resolve_model(config.model)
+        self.model_path = folder
+        self.model_name = config.served_model_name or _model_name(config.model, folder)
+        hf_cfg = load_hf_config(folder)
+        self.model_config = cfg = ModelConfig.from_hf(hf_cfg)
+        self.dtype = resolve_dtype(config.dtype)
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
+        state = load_state_dict(folder)
+        self.model = Decoder(cfg, state, self.dtype, self.max_model_len, config.fuse_projections)
+        del state
+        bs = config.block_size
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        else:
+            num_blocks = ModelRunner.blocks_for_memory(cfg, bs, self.dtype, int(config.kv_cache_memory_gb * 2**30))
+        min_blocks = -(-self.max_model_len // bs)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"KV cache of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} sequence "
+                f"(needs {min_blocks}); raise kv_cache_memory_gb or lower max_model_len"
+            )
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.dtype)
+        self.sampler = Sampler(cfg.vocab_size)
+        self.sampler.reseed(config.seed)
+        self.groups: dict[str, _Group] = {}
+        self.seq_to_group: dict[str, _Group] = {}
+        self.load_time = time.time() - t0
+        logger.info("loaded %s (%s) in %.2fs: %d KV blocks of %d tokens", self.model_name, self.dtype, self.load_time, num_blocks, bs)
+
+    # ------------------------------------------------------------ requests in
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"too many waiting requests ({len(self.scheduler.waiting)})")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}"
+            )
+        arrival = arrival_time or time.time()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seq_params = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(seq_id, ids, seq_params, self.eos_token_ids, priority, cache_salt, arrival, text, request_id, i)
+            seqs.append(req)
+            detoks.append(
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+                if params.detokenize else None
+            )
+        group = _Group(request_id, text, ids, seqs, detoks, [0] * len(seqs), [0] * len(seqs))
+        self.groups[request_id] = group
+        for req in seqs:
+            self.seq_to_group[req.request_id] = group
+            self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for req in group.seqs:
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+            self.seq_to_group.pop(req.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return self._collect_outputs(set())
+        result = self.runner.execute(batch)
+        now = time.time()
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+        for rid, (first_pos, logits) in result.prompt_logits.items():
+            req = next(r for r in batch.requests if r.request_id == rid)
+            k = req.params.prompt_logprobs or 0
+            nxt = [req.token_at(p + 1) for p in range(first_pos, first_pos + logits.shape[0])]
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            req.prompt_logprobs.extend(prompt_logprobs_for(logits, nxt, k))
+        touched: set[str] = set()
+        if result.sample_requests:
+            tokens, lps = self.sampler.sample(result.logits, result.sample_requests)
+            for req, tok, lp in zip(result.sample_requests, tokens, lps, strict=True):
+                self._append_token(req, tok, lp, now)
+                touched.add(req.parent_id or req.request_id)
+        return self._collect_outputs(touched)
+
+    def _append_token(self, req: Request, tok: int, lp, now: float) -> None:
+        req.output_token_ids.append(tok)
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        if lp is not None and req.logprobs is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp[tok]
+        group = self.seq_to_group[req.request_id]
+        detok = group.detoks[req.index]
+        stop_str = None
+        if detok is not None:
+            stop_str = detok.add_token(tok)
+        p = req.params
+        reason, stop_reason = None, None
+        if not p.ignore_eos and tok in req.eos_token_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif stop_str is not None:
+            reason, stop_reason = "stop", stop_str
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.finish_reason, req.stop_reason = reason, stop_reason
+            self.scheduler.finish(req, reason)
+
+    def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        outs = []
+        for rid in touched:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            out = self._make_output(group)
+            if out.finished:
+                self.groups.pop(rid, None)
+                for req in group.seqs:
+                    self.seq_to_group.pop(req.request_id, None)
+            outs.append(out)
+        return outs
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, req in enumerate(group.seqs):
+            detok = group.detoks[i]
+            done = req.is_finished
+            text = detok.text if detok else ""
+            delta = detok.take_delta(done) if detok else ""
+            new_ids = req.output_token_ids[group.emitted_tokens[i] :]
+            group.emitted_tokens[i] = req.num_output_tokens
+            delta_lp = None
+            if req.logprobs is not None:
+                delta_lp = req.logprobs[group.emitted_logprobs[i] :]
+                group.emitted_logprobs[i] = len(req.logprobs)
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text if done else text[: detok.emitted] if detok else "",
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                    logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                    finish_reason=req.finish_reason if done else None,
+                    stop_reason=req.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=new_ids,
+                    delta_logprobs=delta_lp,
+                )
+            )
+        finished = all(r.is_finished for r in group.seqs)
+        first = group.seqs[0]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=first.prompt_logprobs,
+            metrics=first.metrics,
+            num_cached_tokens=first.metrics.num_cached_tokens,
+        )
+
+    # ------------------------------------------------------------ introspection
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def _model_name(model: str | None, folder) -> str:
+    if model is None:
+        from hasten.model.loader import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    from pathlib import Path
+
+    p = Path(model)
+    return p.stem if p.suffix == ".gguf" else p.name

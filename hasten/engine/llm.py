@@ -1,0 +1,71 @@
+"""Offline API shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from hasten.config import EngineConfig
+from hasten.engine.engine import LLMEngine
+from hasten.outputs import RequestOutput
+from hasten.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    `model=None` loads the embedded default (SmolLM2-135M-Instruct). Every other keyword is
+    an `EngineConfig` field (e.g. `dtype="bfloat16"`, `enable_prefix_caching=False`).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **options):
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, dtype=dtype, **options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt (or a single one for all)")
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [done[rid] for rid in ids]

@@ -1,0 +1,126 @@
+"""Turns a scheduled batch into tensors, runs the decoder, returns the logits that are needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hasten.engine.request import Request
+from hasten.engine.scheduler import ScheduledBatch
+from hasten.model.config import ModelConfig
+from hasten.model.decoder import Decoder
+from hasten.model.layers import AttentionGroup, AttentionMetadata
+
+
+@dataclass
+class StepResult:
+    sample_requests: list[Request]  # requests whose newest token is now computed: sample one each
+    logits: torch.Tensor  # [len(sample_requests), V] float32
+    # request -> (first position covered, logits rows [n, V]) for prompt logprobs
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
+        per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+        return max(1, memory_bytes // per_block)
+
+    def _group(self, reqs: list[Request], starts: list[int], lens: list[int], rows: list[int]) -> AttentionGroup:
+        """Pad the given sequences into one attention call. rows[i]: flat-batch row of seq i's first token."""
+        bs = self.block_size
+        b = len(reqs)
+        lq = max(lens)
+        ctx = [s + n for s, n in zip(starts, lens, strict=True)]
+        nblocks = -(-max(ctx) // bs)
+        tables = torch.zeros(b, nblocks, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids = r.block_ids[: -(-ctx[i] // bs)]
+            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        lk = nblocks * bs
+        key_pos = torch.arange(lk)
+        q_off = torch.arange(lq)
+        start_t = torch.tensor(starts).view(b, 1)
+        len_t = torch.tensor(lens).view(b, 1)
+        valid = q_off.view(1, lq) < len_t  # [B, Lq]
+        query_pos = start_t + q_off.view(1, lq)  # absolute position of each query
+        if lq == 1:
+            mask = key_pos.view(1, 1, 1, lk) < torch.tensor(ctx).view(b, 1, 1, 1)
+            if b == 1 and ctx[0] == lk:
+                mask = None
+        else:
+            mask = key_pos.view(1, 1, 1, lk) <= query_pos.view(b, 1, lq, 1)
+            # padded query slots: let them see key 0 so softmax stays finite (outputs are dropped)
+            mask = mask | (~valid).view(b, 1, lq, 1) & (key_pos.view(1, 1, 1, lk) == 0)
+        row_t = torch.tensor(rows).view(b, 1)
+        token_index = torch.where(valid, row_t + q_off.view(1, lq), row_t)
+        flat_valid = valid.view(-1).nonzero().squeeze(1)
+        return AttentionGroup(
+            token_index=token_index,
+            block_tables=tables,
+            mask=mask,
+            query_len=lq,
+            valid=valid,
+            flat_valid_index=flat_valid,
+            flat_token_index=token_index.view(-1)[flat_valid],
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sample_reqs: list[Request] = []
+        sample_rows: list[int] = []
+        prompt_lp: list[tuple[Request, int, int, int]] = []  # req, first pos, first row, count
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            rows.append(len(input_ids))
+            input_ids.extend(req.tokens_slice(start, start + n))
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                count = min(start + n, req.num_prompt_tokens - 1) - start
+                prompt_lp.append((req, start, rows[-1], count))
+            if start + n == req.num_tokens:
+                sample_reqs.append(req)
+                sample_rows.append(rows[-1] + n - 1)
+
+        starts = [r.num_computed_tokens for r in batch.requests]
+        decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+        prefill = [i for i, n in enumerate(batch.num_new_tokens) if n > 1]
+        groups = []
+        for sel in (decode, prefill):
+            if sel:
+                groups.append(
+                    self._group(
+                        [batch.requests[i] for i in sel],
+                        [starts[i] for i in sel],
+                        [batch.num_new_tokens[i] for i in sel],
+                        [rows[i] for i in sel],
+                    )
+                )
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups)
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            meta,
+            self.kv_caches,
+        )
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)]) if sample_reqs else None
+        prompt_logits = {}
+        for req, first_pos, first_row, count in prompt_lp:
+            prompt_logits[req.request_id] = (first_pos, self.model.logits(hidden[first_row : first_row + count]))
+        return StepResult(sample_reqs, logits, prompt_logits)

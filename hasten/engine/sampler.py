@@ -1,0 +1,148 @@
+"""Turn a batch of logits rows into next tokens, one row per sequence being sampled.
+
+Order of processing (as in vLLM): logits processors (e.g. JSON grammar) -> min_tokens ->
+penalties -> greedy argmax or temperature / top-k / top-p / min-p sampling. Logprobs
+are those of the raw model distribution (before any processing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hasten.engine.request import Request
+from hasten.outputs import TokenLogprobs
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """Repetition (prompt + output), presence and frequency (output) penalties, in place."""
+    rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    for i in rows:
+        r, p = reqs[i], reqs[i].params
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(r.all_token_ids(), dtype=torch.long).unique()
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            row -= p.frequency_penalty * counts.to(row.dtype)
+            row -= p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
+    """Mask (to -inf) tokens outside top-k / nucleus top-p / below min_p * max prob. Batched."""
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        thresh = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    need_k = bool((top_k > 0).any())
+    need_p = bool((top_p < 1.0).any())
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    vocab = logits.shape[1]
+    if need_k:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if need_p:
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        # drop a token if the tokens strictly before it already reach top_p (keep at least one)
+        drop = (cum - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(0)
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [n, V] float32, one row per request. Returns tokens and (optional) logprobs."""
+        raw = logits
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            for proc in r.params.logits_processors:
+                proc(r.output_token_ids, logits[i])
+            if r.num_output_tokens < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids or [])
+                if not r.params.ignore_eos:
+                    banned += r.eos_token_ids
+                if banned:
+                    logits[i, banned] = float("-inf")
+        apply_penalties(logits, reqs)
+
+        tokens = torch.empty(len(reqs), dtype=torch.long)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy)
+            tokens[idx] = logits[idx].argmax(-1)
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rand:
+            idx = torch.tensor(rand)
+            ps = [reqs[i].params for i in rand]
+            temp = torch.tensor([p.temperature for p in ps], dtype=logits.dtype).unsqueeze(1)
+            sub = apply_top_k_top_p_min_p(
+                logits[idx] / temp,
+                torch.tensor([p.top_k for p in ps]),
+                torch.tensor([p.top_p for p in ps], dtype=logits.dtype),
+                torch.tensor([p.min_p for p in ps], dtype=logits.dtype),
+            )
+            probs = sub.softmax(-1)
+            # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(rand) if reqs[i].generator is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            for j, i in enumerate(rand):
+                gen = reqs[i].generator
+                if gen is not None:
+                    noise[j].exponential_(generator=gen)
+            tokens[idx] = (probs / noise.clamp_(min=1e-30)).argmax(-1)
+
+        token_list = tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(reqs)
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if want:
+            idx = torch.tensor(want)
+            logp = raw[idx].log_softmax(-1)
+            k = max(reqs[i].params.logprobs or 0 for i in want)
+            top_v, top_i = logp.topk(max(k, 1), -1) if k else (None, None)
+            for j, i in enumerate(want):
+                tok = token_list[i]
+                d: TokenLogprobs = {tok: float(logp[j, tok])}
+                n = reqs[i].params.logprobs or 0
+                if n:
+                    for v, t in zip(top_v[j, :n].tolist(), top_i[j, :n].tolist(), strict=True):
+                        d.setdefault(t, v)
+                lps[i] = d
+        return token_list, lps
+
+
+def prompt_logprobs_for(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of each actual next prompt token (plus top-k) given rows of prompt logits."""
+    logp = logits.log_softmax(-1)
+    target = torch.tensor(next_tokens, dtype=torch.long)
+    chosen = logp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+    out: list[TokenLogprobs] = []
+    top_v = top_i = None
+    if k:
+        top_v, top_i = logp.topk(k, -1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, tok in enumerate(next_tokens):
+        d: TokenLogprobs = {tok: chosen[j]}
+        if k:
+            for v, t in zip(top_v[j], top_i[j], strict=True):
+                d.setdefault(t, v)
+        out.append(d)
+    return out

@@ -1,0 +1,158 @@
+"""Iteration-level scheduler with one rule.
+
+Each step gives every request tokens until its `num_computed_tokens` catches up with its
+`num_tokens`, under a per-step token budget. A long prompt therefore runs in chunks
+(chunked prefill) mixed with other requests' decode tokens; a prefix-cache hit simply
+starts the request with some tokens already computed. When the block pool runs dry, the
+least urgent running request is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hasten.engine.kv_cache import KVCacheManager
+from hasten.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+
+@dataclass
+class ScheduledBatch:
+    """What the model computes this step: `num_new_tokens[i]` tokens of `requests[i]`."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {config.policy!r} (fcfs or priority)")
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queue management
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove a request wherever it is and free its blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        req.metrics.finished_time = time.time()
+
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "priority":
+            return min(self.waiting, key=Request.sort_key)
+        return self.waiting[0]
+
+    def _victim(self) -> Request:
+        """The running request to preempt: least urgent priority, then latest arrival."""
+        return max(self.running, key=Request.sort_key)
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        if req in batch.requests:
+            i = batch.requests.index(req)
+            batch.requests.pop(i)
+            batch.num_new_tokens.pop(i)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+        batch.preempted.append(req)
+
+    # ------------------------------------------------------------ the step
+
+    def _tokens_wanted(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        if not self.config.enable_chunked_prefill and n > budget:
+            return 0  # a whole prompt must fit in one step
+        return min(n, budget)
+
+    def schedule(self) -> ScheduledBatch:
+        cfg = self.config
+        batch = ScheduledBatch()
+        budget = cfg.max_num_batched_tokens
+
+        # 1. Running requests first, in arrival (or priority) order.
+        order = sorted(self.running, key=Request.sort_key) if cfg.policy == "priority" else list(self.running)
+        for req in order:
+            if req not in self.running:
+                continue  # preempted earlier in this loop
+            n = self._tokens_wanted(req, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self._victim()
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+            budget = cfg.max_num_batched_tokens - batch.total_tokens
+
+        # 2. Admit waiting requests while there is budget, room and no preemption this step.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not batch.preempted:
+            req = self._next_waiting()
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = req.num_tokens - num_cached
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate(req, n, cached):
+                if cfg.policy == "priority" and self.running and self._victim().sort_key() > req.sort_key():
+                    self._preempt(self._victim(), batch)
+                    batch.preempted.clear()  # a deliberate priority swap; keep admitting
+                    continue
+                break
+            if req.status == RequestStatus.WAITING:
+                self.kv.record_lookup(req, num_cached)
+                req.metrics.num_cached_tokens = num_cached
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.time()
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def has_unfinished(self) -> bool:
+        return self.has_work()

@@ -1,0 +1,77 @@
+"""``hasten gateway --config gateway.yaml``: run the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import replace
+
+from hasten.gateway.config import ConfigError, load_config, parse_hostport
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hasten gateway",
+                                description="One OpenAI-compatible endpoint in front of many replicas.")
+    p.add_argument("--config", "-c", required=True, help="path to gateway.yaml")
+    p.add_argument("--listen", help="override 'listen' (host:port; port 0 picks a free port)")
+    p.add_argument("--http2", action="store_true", help="serve HTTP/1.1 + cleartext HTTP/2 via hypercorn")
+    p.add_argument("--check", action="store_true", help="validate the config and exit")
+    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config)
+        if args.listen:
+            try:
+                host, port = parse_hostport(args.listen)
+            except ValueError as exc:
+                raise ConfigError("--listen", [str(exc)]) from None
+            cfg = replace(cfg, host=host, port=port)
+    except ConfigError as exc:
+        print(f"hasten gateway: {exc}", file=sys.stderr)
+        return 2
+    if args.http2:
+        cfg = replace(cfg, http2=True)
+    if args.check:
+        backends = sum(len(p.backends) for p in cfg.models)
+        print(f"config OK: {len(cfg.models)} model pool(s), {backends} backend(s), "
+              f"{len(cfg.tenants)} tenant(s)")
+        return 0
+    if not args.no_uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        asyncio.run(_run(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _run(cfg) -> None:  # noqa: ANN001 - GatewayConfig, imported lazily
+    from hasten.gateway.core import Gateway
+
+    gateway = Gateway(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    if cfg.http2:
+        from hasten.gateway.asgi import serve_http2
+
+        await serve_http2(gateway, cfg.host, cfg.port, stop)
+    else:
+        from hasten.gateway.app import serve
+
+        await serve(gateway, cfg.host, cfg.port, stop=stop)

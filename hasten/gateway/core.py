@@ -1,0 +1,134 @@
+"""The transport-independent gateway: pools, built-in pipeline stages, health, metrics.
+
+Frontends (``app.py`` for aiohttp/HTTP/1.1, ``asgi.py`` for HTTP/2 via hypercorn) turn
+HTTP requests into :class:`RequestContext` objects and call :meth:`Gateway.handle`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from hasten.gateway.config import GatewayConfig
+from hasten.gateway.health import HealthChecker
+from hasten.gateway.metrics import GatewayMetrics
+from hasten.gateway.pipeline import (
+    GatewayError,
+    GatewayResponse,
+    Handler,
+    Middleware,
+    RequestContext,
+    build_chain,
+)
+from hasten.gateway.proxy import Proxy
+from hasten.gateway.routing import Pool
+from hasten.gateway.tracing import Tracer
+
+log = logging.getLogger("hasten.gateway")
+
+
+class Gateway:
+    """Holds all runtime state. ``middlewares`` run between the built-in stages and the proxy."""
+
+    def __init__(self, cfg: GatewayConfig, middlewares: list[Middleware] | None = None) -> None:
+        self.config = cfg
+        self.metrics = GatewayMetrics()
+        self.tracer = Tracer(cfg.tracing)
+        self.pools: dict[str, Pool] = {
+            p.name: Pool(p, cfg.health.failure_threshold, cfg.health.cooldown_s) for p in cfg.models
+        }
+        self._tenants = {t.key: t for t in cfg.tenants}
+        self.proxy = Proxy(cfg, self.metrics, self.tracer)
+        all_backends = [b for pool in self.pools.values() for b in pool.backends]
+        self.health = HealthChecker(all_backends, cfg.health)
+        stages: list[Middleware] = [self.authenticate, self.parse_request, *(middlewares or [])]
+        self.handler: Handler = build_chain(stages, self.proxy.forward)
+        self.metrics.add_collector(self._refresh_gauges)
+        self.started_at = time.time()
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        assert self.proxy.session is not None
+        self.health.start(self.proxy.session)
+
+    async def close(self) -> None:
+        await self.health.stop()
+        await self.proxy.close()
+
+    # -- built-in pipeline stages ---------------------------------------------------
+
+    async def authenticate(self, ctx: RequestContext, call_next: Handler) -> GatewayResponse:
+        if self._tenants:
+            auth = ctx.header("authorization") or ""
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else (ctx.header("x-api-key") or "")
+            tenant = self._tenants.get(key)
+            if tenant is None:
+                msg = "missing API key" if not key else "incorrect API key provided"
+                raise GatewayError(401, msg, "invalid_request_error", "invalid_api_key",
+                                   headers={"WWW-Authenticate": "Bearer"})
+            ctx.tenant = tenant
+        return await call_next(ctx)
+
+    async def parse_request(self, ctx: RequestContext, call_next: Handler) -> GatewayResponse:
+        try:
+            payload = json.loads(ctx.body) if ctx.body else None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise GatewayError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
+                               "invalid_json") from None
+        if not isinstance(payload, dict):
+            raise GatewayError(400, "request body must be a JSON object", "invalid_request_error",
+                               "invalid_json")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise GatewayError(400, "you must provide a model parameter", "invalid_request_error",
+                               "missing_model")
+        pool = self.pools.get(model)
+        if pool is None:
+            raise GatewayError(404, f"the model {model!r} does not exist; available: "
+                                    f"{', '.join(sorted(self.pools))}", "invalid_request_error",
+                               "model_not_found")
+        ctx.payload = payload
+        ctx.model = model
+        ctx.pool = pool
+        ctx.stream = bool(payload.get("stream"))
+        region = ctx.header(self.config.region_header)
+        ctx.region = region or (ctx.tenant.region if ctx.tenant else None) or self.config.region
+        return await call_next(ctx)
+
+    # -- entry points used by the frontends -----------------------------------------------
+
+    async def handle(self, ctx: RequestContext) -> GatewayResponse:
+        try:
+            resp = await self.handler(ctx)
+        except GatewayError as err:
+            resp = GatewayResponse.from_error(err)
+        except Exception:
+            log.exception("request %s: internal error", ctx.request_id)
+            resp = GatewayResponse.from_error(GatewayError(500, "internal gateway error", "server_error",
+                                                           "internal_error"))
+        resp.headers["X-Request-ID"] = ctx.request_id
+        self.metrics.requests.inc(ctx.model if ctx.pool else "", str(resp.status))
+        return resp
+
+    def models_payload(self) -> dict[str, Any]:
+        created = int(self.started_at)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "hasten-gateway",
+             "policy": pool.config.policy, "backends": len(pool.backends),
+             "healthy_backends": sum(1 for b in pool.backends if b.available())}
+            for name, pool in self.pools.items()
+        ]}
+
+    def health_payload(self) -> tuple[int, dict[str, Any]]:
+        pools = {name: sum(1 for b in pool.backends if b.available()) for name, pool in self.pools.items()}
+        ok = all(pools.values())
+        return (200 if ok else 503), {"status": "ok" if ok else "degraded", "healthy_backends": pools}
+
+    def _refresh_gauges(self) -> None:
+        now = time.monotonic()
+        for name, pool in self.pools.items():
+            for b in pool.backends:
+                self.metrics.in_flight.set(name, b.url, value=b.in_flight)
+                self.metrics.backend_up.set(name, b.url, value=1.0 if b.available(now) else 0.0)

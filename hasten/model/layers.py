@@ -1,0 +1,129 @@
+"""Building blocks of the decoder: norms, rotary embeddings, paged attention on CPU."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hasten.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, in the same order as Hugging Face."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_len, looked up by position ids."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype):
+        inv_freq = rope_inv_freq(cfg)
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; rotate-half convention (HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together in one padded SDPA call.
+
+    token_index: [B, Lq] rows of the flat token batch (padding repeats a valid row)
+    block_tables: [B, max_blocks] cache blocks of each sequence
+    mask: [B, 1, Lq, Lk] boolean, True where a query may see a key (None: no masking needed)
+    """
+
+    token_index: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor | None
+    query_len: int
+    valid: torch.Tensor  # [B, Lq] bool: which (seq, query) slots are real tokens
+    flat_valid_index: torch.Tensor  # positions in the [B*Lq] padded layout that hold real tokens
+    flat_token_index: torch.Tensor  # the flat-batch rows those real tokens belong to
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    groups: list[AttentionGroup]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached keys/values.
+
+    q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] (already holding the new tokens).
+    Query heads that share a KV head are folded into the query length, so GQA needs no
+    repeated keys. Returns [T, H*D].
+    """
+    t_total, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    out = q.new_empty(t_total, num_heads * head_dim)
+    for g in meta.groups:
+        b, lq = g.token_index.shape
+        k = k_cache[g.block_tables]  # [B, nb, bs, KVH, D]
+        v = v_cache[g.block_tables]
+        lk = k.shape[1] * k.shape[2]
+        k = k.view(b, lk, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(b, lk, num_kv_heads, head_dim).transpose(1, 2)
+        qg = q[g.token_index]  # [B, Lq, H, D]
+        qg = qg.view(b, lq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(b, num_kv_heads, group * lq, head_dim)
+        mask = g.mask
+        if mask is not None and group > 1 and lq > 1:
+            mask = mask.repeat(1, 1, group, 1)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        o = o.view(b, num_kv_heads, group, lq, head_dim).permute(0, 3, 1, 2, 4).reshape(b * lq, -1)
+        if lq == 1:
+            out[g.token_index.view(-1)] = o
+        else:
+            out[g.flat_token_index] = o[g.flat_valid_index]
+    return out

@@ -1,0 +1,127 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+The field constraints here are the first line of input validation: anything outside
+them becomes a 400 with an OpenAI-style error body, and they are what `/openapi.json`
+publishes, so the schema and the server's real behaviour cannot drift apart.
+Responses are built as plain dicts (see `responses.py`) because they are produced per
+token on the hot path and `orjson` serialises a dict faster than a model round-trip.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_N = 16
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class _Body(BaseModel):
+    # Unknown fields are accepted and ignored (like vLLM); NaN/inf never pass a bound.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Body):
+    name: str = "response"
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = Field(None, description="Served model name; omit to use the served model.")
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="-1 or 0 disables.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, max_length=MAX_STOP)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX, description="Lower runs first.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=64)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
+    )
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: None = Field(None, description="Not supported; must be omitted or null.")
+    add_special_tokens: bool = True
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="Not supported.")
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
