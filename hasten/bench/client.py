@@ -68,10 +68,11 @@ class BenchClient:
         return json.dumps(payload).encode()
 
     async def send(self, index: int, spec: RequestSpec) -> RequestResult:
+        """Send one request. Only transport-level outcome is known on return; call
+        `finalize()` (after the run) to parse the stream into chunks, text and token counts."""
         body = self.body(spec)
-        fallback_start = time.perf_counter()
-        result = RequestResult(index=index, start=fallback_start, session=spec.session, turn=spec.turn,
-                               prompt_tokens=spec.prompt_len)
+        result = RequestResult(index=index, start=time.perf_counter(), session=spec.session,
+                               turn=spec.turn, prompt_tokens=spec.prompt_len)
         try:
             resp = await self.http.post(self.path, body, self.opts.timeout)
         except HttpError as exc:
@@ -83,6 +84,16 @@ class BenchClient:
             result.error = f"http_{resp.status}"
             result.error_detail = parse_error_body(resp.body)
             return result
+        result.success = True  # provisional until finalize()
+        result.raw = resp
+        return result
+
+    def finalize(self, result: RequestResult) -> RequestResult:
+        """Parse a streamed response kept by `send()`; idempotent."""
+        resp, result.raw = result.raw, None
+        if resp is None:
+            return result
+        result.success = False
         parsed = parse_stream(resp.pieces, self.chat)
         result.chunk_times = parsed.chunk_times
         result.generated_text = parsed.text
@@ -105,6 +116,10 @@ class BenchClient:
             result.prompt_tokens = usage["prompt_tokens"]
         result.success = True
         return result
+
+    async def request(self, index: int, spec: RequestSpec) -> RequestResult:
+        """Send and parse at once (convenience for single requests, not for load runs)."""
+        return self.finalize(await self.send(index, spec))
 
     def close(self) -> None:
         self.http.close()

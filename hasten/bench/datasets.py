@@ -52,7 +52,7 @@ class WorkloadConfig:
     dataset: str = "random"
     num_requests: int = 100
     input_len: int = 128
-    output_len: int | None = 128  # None: dataset's own (ShareGPT) or 128
+    output_len: int | None = None  # None: ShareGPT reference length, else 128
     range_ratio: float = 0.0
     num_prefixes: int = 4
     prefix_len: int = 512

@@ -44,6 +44,7 @@ class StreamLog:
     """What the server actually did for one request (when `record=True`)."""
 
     received: float
+    prompt: str = ""  # the prompt, or the messages as JSON
     slot: float = 0.0
     sends: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -248,7 +249,10 @@ class FakeServer:
         chat = path.endswith("chat/completions")
         max_tokens = req.get("max_tokens") or req.get("max_completion_tokens") or cfg.output_len
         n = max(1, min(int(max_tokens), cfg.max_output_len))
-        log = StreamLog(received=time.perf_counter()) if cfg.record else None
+        log = None
+        if cfg.record:
+            prompt = json.dumps(req["messages"]) if "messages" in req else str(req.get("prompt", ""))
+            log = StreamLog(received=time.perf_counter(), prompt=prompt)
         if log is not None:
             self.log.append(log)
         if req.get("stream"):

@@ -188,20 +188,24 @@ class _Connection(asyncio.Protocol):
             else:
                 waiter.set_exception(exc)
 
-    async def request(self, raw: bytes, start: float) -> StreamedResponse:
+    def begin(self, raw: bytes) -> asyncio.Future[None]:
+        """Write a request now (synchronously) and return a future set when the response ends."""
         assert self.transport is not None
-        parser = self._parser = ResponseParser()
-        self._pieces = pieces = []
+        self._parser = ResponseParser()
+        self._pieces = []
         self._waiter = asyncio.get_running_loop().create_future()
         self.transport.write(raw)
-        try:
-            await self._waiter
-        finally:
-            self._parser = None
-            self._waiter = None
+        return self._waiter
+
+    def take_response(self, start: float) -> StreamedResponse:
+        parser, pieces = self._parser, self._pieces
+        assert parser is not None
+        self._parser = None
+        self._waiter = None
         if not parser.keep_alive:
             self.close()
-        return StreamedResponse(parser.status, parser.headers, pieces, start, time.perf_counter())
+        end = pieces[-1][0] if pieces else time.perf_counter()
+        return StreamedResponse(parser.status, parser.headers, pieces, start, end)
 
     def close(self) -> None:
         self.closed = True
@@ -240,11 +244,14 @@ class HttpClient:
         lines += [f"{k}: {v}" for k, v in self.extra_headers.items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
-    async def _connect(self) -> _Connection:
+    def _idle_connection(self) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 return conn
+        return None
+
+    async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             _, proto = await asyncio.wait_for(
@@ -258,23 +265,35 @@ class HttpClient:
         """Send one request and wait for the whole response.
 
         `start` is taken just before the request goes out, including connecting when no idle
-        keep-alive connection is available (as `vllm bench serve` does)."""
+        keep-alive connection is available (as `vllm bench serve` does). With a warm
+        connection the request is written synchronously right after the timestamp: no task
+        hop between the two."""
         raw = self.build_request(path, body)
         start = time.perf_counter()
-        conn = await self._connect()
+        conn = self._idle_connection() or await self._connect()
+        waiter = conn.begin(raw)
+        timer = None
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(timeout, self._expire, waiter, timeout)
         try:
-            resp = await asyncio.wait_for(conn.request(raw, start), timeout)
-        except TimeoutError as exc:
-            conn.close()
-            raise HttpError("timeout", f"no complete response within {timeout} s") from exc
+            await waiter
         except BaseException:
             conn.close()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        resp = conn.take_response(start)
         if self.keepalive and not conn.closed:
             self._idle.append(conn)
         else:
             conn.close()
         return resp
+
+    @staticmethod
+    def _expire(waiter: asyncio.Future[None], timeout: float) -> None:
+        if not waiter.done():
+            waiter.set_exception(HttpError("timeout", f"no complete response within {timeout} s"))
 
     def close(self) -> None:
         for conn in self._idle:

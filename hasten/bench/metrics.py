@@ -33,6 +33,9 @@ class RequestResult:
     end: float = 0.0  # when the response finished (or failed)
     session: int | None = None
     turn: int = 0
+    # The unparsed response while a run is in progress: parsing is deferred until the run
+    # ends so that it never delays the timestamps of other streams (see client.finalize).
+    raw: Any = field(default=None, repr=False, compare=False)
 
     @property
     def ttft(self) -> float | None:

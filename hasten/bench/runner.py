@@ -16,8 +16,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hasten.bench.client import BenchClient
 from hasten.bench.datasets import RequestSpec
@@ -110,9 +109,9 @@ class Progress:
 class RunOptions:
     max_duration: float = math.inf  # seconds of dispatching
     drain_timeout: float = 60.0  # extra seconds for in-flight requests after max_duration
+    ramp_up: float = 0.0  # closed loop: start the N clients evenly spread over this many seconds
     seed: int = 0
     progress: bool | None = None  # None: only on a terminal
-    on_result: Callable[[RequestResult], None] | None = field(default=None, repr=False)
 
 
 async def run_load(client: BenchClient, specs: list[RequestSpec], point: LoadPoint,
@@ -140,12 +139,12 @@ async def run_load(client: BenchClient, specs: list[RequestSpec], point: LoadPoi
             in_flight.discard(i)
             results[i] = res
             progress.update(res.success)
-            if opts.on_result is not None:
-                opts.on_result(res)
         finally:
             done_events[i].set()
 
-    async def closed_worker(queue: list[int]) -> None:
+    async def closed_worker(queue: list[int], delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
         while queue and time.perf_counter() <= deadline:
             await one(queue.pop())
 
@@ -169,7 +168,8 @@ async def run_load(client: BenchClient, specs: list[RequestSpec], point: LoadPoi
     tasks: list[asyncio.Task[None]] = []
     if point.closed_loop and point.concurrency:
         queue = list(range(n - 1, -1, -1))  # pop() from the end = in order
-        tasks = [asyncio.create_task(closed_worker(queue)) for _ in range(min(point.concurrency, n))]
+        workers = min(point.concurrency, n)
+        tasks = [asyncio.create_task(closed_worker(queue, opts.ramp_up * k / workers)) for k in range(workers)]
     else:
         await open_loop(tasks)
     if tasks:
@@ -182,7 +182,7 @@ async def run_load(client: BenchClient, specs: list[RequestSpec], point: LoadPoi
             await asyncio.gather(*pending, return_exceptions=True)
     end = time.perf_counter()
     progress.close()
-    final: list[RequestResult] = [r for r in results if r is not None]
+    final: list[RequestResult] = [client.finalize(r) for r in results if r is not None]
     for i in sorted(in_flight):  # cancelled at the hard time bound
         final.append(RequestResult(index=i, start=end, end=end, error="deadline",
                                    error_detail="cancelled: still running at the time bound"))

@@ -31,23 +31,17 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     raw = (hi - lo) / max(1, n)
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    start = math.floor(lo / step) * step
-    ticks = []
-    t = start
-    while t <= hi + step * 0.5 and len(ticks) < 50:
-        ticks.append(round(t, 12))
-        t += step
-    return ticks
+    first = math.floor(lo / step + 1e-9)
+    last = math.ceil(hi / step - 1e-9)
+    return [round(k * step, 12) for k in range(first, max(last, first + 1) + 1)][:60]
 
 
 def _fmt(v: float) -> str:
     if v == 0:
         return "0"
-    if abs(v) >= 1000:
+    if abs(v) >= 10000:
         return f"{v:,.0f}"
-    if abs(v) >= 10:
-        return f"{v:.0f}"
-    return f"{v:.3g}"
+    return f"{v:.4g}"
 
 
 def cdf_points(values: Sequence[float], max_points: int = 300) -> tuple[list[float], list[float]]:

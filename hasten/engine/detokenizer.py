@@ -44,6 +44,14 @@ class IncrementalDetokenizer:
             return self._check_stop(start)
         return None
 
+    def flush(self) -> None:
+        """At the end of a sequence, add whatever is still pending (even an incomplete character)."""
+        if self.read_offset < len(self.token_ids):
+            prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            new_text = self._decode(self.token_ids[self.prefix_offset :])
+            self.text += new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+
     def _check_stop(self, search_from: int) -> str | None:
         found = [(pos, s) for s in self.stop if (pos := self.text.find(s, search_from)) != -1]
         if not found:

@@ -233,6 +233,8 @@ class LLMEngine:
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            if detok is not None and stop_str is None:
+                detok.flush()
             req.finish_reason, req.stop_reason = reason, stop_reason
             self.scheduler.finish(req, reason)
 

@@ -3,7 +3,7 @@
 Enabled by ``http2: true`` in the config or ``--http2``. Hypercorn speaks HTTP/1.1 and
 cleartext HTTP/2 (prior knowledge and ``Upgrade: h2c``) on one port, so HTTP/2 is used
 whenever the client offers it. It is optional because hypercorn's per-request cost is
-higher than aiohttp's (see docs/gateway.md for measured figures); install ``hypercorn``.
+higher than the raw asyncio HTTP/1.1 frontend's (see docs/gateway.md for measured figures); install ``hypercorn``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-from multidict import CIMultiDict
 
 from hasten.gateway.core import Gateway
 from hasten.gateway.pipeline import GatewayError, GatewayResponse, RequestContext, new_request_id
@@ -35,7 +33,10 @@ class AsgiGateway:
         import time
 
         received = time.perf_counter()
-        headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+        headers: dict[str, str] = {}
+        for k, v in scope["headers"]:
+            name, value = k.decode("latin-1").lower(), v.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
         rid = headers.get("x-request-id") or new_request_id()
         method, path = scope["method"], scope["path"]
         g = self.gateway
@@ -61,7 +62,7 @@ class AsgiGateway:
         else:
             resp = GatewayResponse.from_error(GatewayError(404, f"no route for {method} {path}",
                                                            code="not_found"))
-        resp.headers.setdefault("X-Request-ID", rid)
+        resp.headers.setdefault("x-request-id", rid)
         await self._send(resp, send)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """The transport-independent gateway: pools, built-in pipeline stages, health, metrics.
 
-Frontends (``app.py`` for aiohttp/HTTP/1.1, ``asgi.py`` for HTTP/2 via hypercorn) turn
+Frontends (``app.py``: raw asyncio HTTP/1.1, ``asgi.py`` for HTTP/2 via hypercorn) turn
 HTTP requests into :class:`RequestContext` objects and call :meth:`Gateway.handle`.
 """
 
@@ -50,8 +50,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.proxy.start()
-        assert self.proxy.session is not None
-        self.health.start(self.proxy.session)
+        self.health.start()
 
     async def close(self) -> None:
         await self.health.stop()
@@ -108,7 +107,7 @@ class Gateway:
             log.exception("request %s: internal error", ctx.request_id)
             resp = GatewayResponse.from_error(GatewayError(500, "internal gateway error", "server_error",
                                                            "internal_error"))
-        resp.headers["X-Request-ID"] = ctx.request_id
+        resp.headers["x-request-id"] = ctx.request_id
         self.metrics.requests.inc(ctx.model if ctx.pool else "", str(resp.status))
         return resp
 

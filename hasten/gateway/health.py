@@ -16,12 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from hasten.gateway.config import BackendConfig, HealthConfig
-
-if TYPE_CHECKING:
-    import aiohttp
+from hasten.gateway.upstream import probe
 
 log = logging.getLogger("hasten.gateway")
 
@@ -114,8 +111,8 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self._on_change = on_change
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(session))
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -124,28 +121,23 @@ class HealthChecker:
                 await self._task
             self._task = None
 
-    async def probe_all(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self._probe(session, url, states) for url, states in self._by_url.items()))
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(url, states) for url, states in self._by_url.items()))
 
-    async def _run(self, session: aiohttp.ClientSession) -> None:
+    async def _run(self) -> None:
         while True:
             try:
-                await self.probe_all(session)
+                await self.probe_all()
             except Exception:  # pragma: no cover - defensive: probing must never stop
                 log.exception("health probe round failed")
             await asyncio.sleep(self._cfg.interval_s)
 
-    async def _probe(self, session: aiohttp.ClientSession, url: str, states: list[BackendState]) -> None:
-        import aiohttp
-
+    async def _probe(self, url: str, states: list[BackendState]) -> None:
+        cfg = states[0].config
         start = time.perf_counter()
-        ok = False
         try:
-            timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
-            async with session.get(url + self._cfg.path, timeout=timeout) as resp:
-                await resp.read()
-                ok = resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            ok = await probe(cfg.host, cfg.port, self._cfg.path, self._cfg.timeout_s) == 200
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             ok = False
         rtt_ms = (time.perf_counter() - start) * 1000
         for s in states:

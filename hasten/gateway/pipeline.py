@@ -75,7 +75,7 @@ class RequestContext:
 
     method: str
     path: str
-    headers: Mapping[str, str]  # case-insensitive mapping supplied by the frontend
+    headers: Mapping[str, str]  # header names in lower case
     body: bytes
     request_id: str
     received_at: float = field(default_factory=time.perf_counter)
@@ -89,7 +89,7 @@ class RequestContext:
     attrs: dict[str, Any] = field(default_factory=dict)
 
     def header(self, name: str) -> str | None:
-        return self.headers.get(name)
+        return self.headers.get(name.lower())
 
 
 Handler = Callable[[RequestContext], Awaitable[GatewayResponse]]

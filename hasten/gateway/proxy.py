@@ -1,9 +1,9 @@
 """The terminal pipeline stage: send the request to a backend, fail over, stream the answer back.
 
 Retry rule: a request is re-sent to the next candidate only while nothing has been sent
-to the client. The client's response headers are held back until the first body chunk
-from the backend has arrived, so connect errors, first-byte timeouts, 5xx/429 answers and
-streams that die before their first chunk are all retried. After the first byte the
+to the client. The client's response head is held back until the first body bytes from
+the backend have arrived, so connect errors, first-byte timeouts, 5xx/429 answers and
+streams that die before their first bytes are all retried. After the first byte the
 request is never retried; if the backend fails mid-stream the client gets an SSE error
 event and a properly terminated response, never a hang.
 """
@@ -16,24 +16,24 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
-
 from hasten.gateway.config import GatewayConfig
 from hasten.gateway.health import BackendState
 from hasten.gateway.metrics import GatewayMetrics
 from hasten.gateway.pipeline import GatewayError, GatewayResponse, RequestContext
+from hasten.gateway.relay import Relay
 from hasten.gateway.routing import Pool
 from hasten.gateway.tracing import Tracer
+from hasten.gateway.upstream import UpstreamPool
 
 log = logging.getLogger("hasten.gateway")
 
 # headers never forwarded upstream (hop-by-hop, recomputed, or gateway credentials)
 _DROP_UP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade",
                       "host", "content-length", "authorization", "x-api-key", "trailer", "expect",
-                      "http2-settings", "accept-encoding"})
+                      "http2-settings", "accept-encoding", "x-request-id"})
 # headers never copied from the backend response to the client
 _DROP_DOWN = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date",
-                        "trailer", "upgrade", "proxy-authenticate"})
+                        "trailer", "upgrade", "proxy-authenticate", "x-request-id"})
 
 
 class _Retryable(Exception):
@@ -43,26 +43,19 @@ class _Retryable(Exception):
         self.status = status
 
 
-def sse_error_event(message: str, code: str = "upstream_stream_error") -> bytes:
-    payload = {"error": {"message": message, "type": "server_error", "code": code}}
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
 class Proxy:
     def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics, tracer: Tracer) -> None:
         self._cfg = cfg
-        self._metrics = metrics
+        self.metrics = metrics
         self._tracer = tracer
-        self.session: aiohttp.ClientSession | None = None
-        self._active: set[_Relay] = set()
+        self._pools: dict[str, UpstreamPool] = {}
+        for pool_cfg in cfg.models:
+            for b in pool_cfg.backends:
+                self._pools.setdefault(b.url, UpstreamPool(b.host, b.port, cfg.timeouts.connect_s))
+        self.active: set[Relay] = set()
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0,
-                                         ttl_dns_cache=None, force_close=False)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._cfg.timeouts.connect_s)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent", "Accept-Encoding"))
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_idle())
 
     async def close(self) -> None:
@@ -72,18 +65,19 @@ class Proxy:
                 await self._watchdog
             except (asyncio.CancelledError, Exception):
                 pass
-        if self.session is not None:
-            await self.session.close()
+        for relay in list(self.active):
+            relay.abort()
+        for p in self._pools.values():
+            p.close()
 
     async def _watch_idle(self) -> None:
         idle = self._cfg.timeouts.idle_s
         while True:
             await asyncio.sleep(min(1.0, idle / 4))
             now = time.monotonic()
-            for a in list(self._active):
-                if not a.timed_out and now - a.last_activity > idle:
-                    a.timed_out = True
-                    a.resp.content.set_exception(TimeoutError(f"no data from backend for {idle:g}s"))
+            for relay in list(self.active):
+                if now - relay.last_activity > idle:
+                    relay.fail_now(TimeoutError(f"no data from backend for {idle:g}s"), "timeout")
 
     # -- request path -----------------------------------------------------------------
 
@@ -101,7 +95,7 @@ class Proxy:
         attempts = candidates[: 1 + self._cfg.max_retries]
         for i, backend in enumerate(attempts):
             if i:
-                self._metrics.retries.inc(pool.name)
+                self.metrics.retries.inc(pool.name)
             try:
                 resp = await self._attempt(ctx, pool, backend, span, first=(i == 0))
             except _Retryable as exc:
@@ -119,174 +113,91 @@ class Proxy:
         raise GatewayError(status, f"no backend could serve the request after {len(attempts)} attempt(s); "
                                    f"last error: {last}", "server_error", "upstream_unavailable")
 
-    def _upstream(self, ctx: RequestContext, pool: Pool, backend: BackendState, span: Any
-                  ) -> tuple[dict[str, str], bytes]:
-        headers = {k: v for k, v in ctx.headers.items() if k.lower() not in _DROP_UP}
-        headers["X-Request-ID"] = ctx.request_id
-        if backend.config.api_key:
-            headers["Authorization"] = f"Bearer {backend.config.api_key}"
-        self._tracer.inject(span, headers)
+    def _request_bytes(self, ctx: RequestContext, pool: Pool, backend: BackendState, span: Any) -> bytes:
+        cfg = backend.config
+        lines = [f"{ctx.method} {ctx.path} HTTP/1.1", f"host: {cfg.host}:{cfg.port}"]
+        lines.extend(f"{k}: {v}" for k, v in ctx.headers.items() if k.lower() not in _DROP_UP)
+        lines.append(f"x-request-id: {ctx.request_id}")
+        if cfg.api_key:
+            lines.append(f"authorization: Bearer {cfg.api_key}")
+        if self._tracer.enabled:
+            extra: dict[str, str] = {}
+            self._tracer.inject(span, extra)
+            lines.extend(f"{k}: {v}" for k, v in extra.items())
         body = ctx.body
-        target = backend.config.backend_model or pool.config.backend_model
+        target = cfg.backend_model or pool.config.backend_model
         if target and ctx.payload is not None and ctx.payload.get("model") != target:
             cache = ctx.attrs.setdefault("_bodies", {})
             body = cache.get(target)
             if body is None:
                 body = cache[target] = json.dumps({**ctx.payload, "model": target}).encode()
-        return headers, body
+        lines.append(f"content-length: {len(body)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
     async def _attempt(self, ctx: RequestContext, pool: Pool, backend: BackendState, span: Any,
                        first: bool) -> GatewayResponse:
-        assert self.session is not None
-        m = self._metrics
-        headers, body = self._upstream(ctx, pool, backend, span)
+        m = self.metrics
+        raw = self._request_bytes(ctx, pool, backend, span)
+        upstream = self._pools[backend.url]
         backend.breaker.on_attempt(time.monotonic())
         backend.in_flight += 1
         m.backend_requests.inc(pool.name, backend.url)
         sent_at = time.perf_counter()
         if first:
             m.added_latency.observe(sent_at - ctx.received_at, pool.name)
-        resp: aiohttp.ClientResponse | None = None
+        relay: Relay | None = None
         try:
-            async with asyncio.timeout(self._cfg.timeouts.connect_s + self._cfg.timeouts.first_byte_s):
-                resp = await self.session.request(ctx.method, backend.url + ctx.path, data=body,
-                                                  headers=headers)
-                if resp.status >= 500 or resp.status == 429:
-                    detail = (await resp.read())[:200].decode("utf-8", "replace")
-                    raise _Retryable("status", f"HTTP {resp.status} from {backend.url}: {detail}",
-                                     resp.status)
-                ctype = resp.headers.get("Content-Type", "")
-                if resp.content_length is not None and not ctype.startswith("text/event-stream"):
-                    data = await resp.read()
-                    first_chunk = None
-                else:
-                    data = b""
-                    first_chunk = await resp.content.readany()
+            for fresh in (False, True):
+                try:
+                    conn = await upstream.acquire(fresh=fresh)
+                except (OSError, TimeoutError) as exc:
+                    kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
+                    raise _Retryable(kind, f"cannot connect to {backend.url}: {exc!r}") from None
+                relay = Relay(self, ctx, pool, backend, conn, span)
+                relay.send(raw, self._cfg.timeouts.first_byte_s)
+                await relay.ready
+                if relay.error is None:
+                    break
+                if conn.reused and not conn.got_bytes and not relay.timed_out and not fresh:
+                    continue  # a pooled keep-alive connection had gone stale: retry on a fresh one
+                kind = "timeout" if relay.timed_out else "stream"
+                raise _Retryable(kind, f"{kind} error from {backend.url}: {relay.error!r}")
+            assert relay is not None
+            if relay.status >= 500 or relay.status == 429:
+                detail = relay.peek()[:200].decode("utf-8", "replace")
+                relay.abort()
+                raise _Retryable("status", f"HTTP {relay.status} from {backend.url}: {detail}", relay.status)
         except _Retryable as exc:
-            self._fail(pool, backend, exc.kind, count_breaker=exc.status != 429)
-            if resp is not None:
-                resp.release()
+            self.fail(pool, backend, exc.kind, count_breaker=exc.status != 429)
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            kind = "timeout" if isinstance(exc, TimeoutError) else (
-                "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "stream")
-            self._fail(pool, backend, kind)
-            if resp is not None:
-                resp.close()
-            raise _Retryable(kind, f"{kind} error from {backend.url}: {exc!r}") from None
-        except BaseException:
+        except BaseException:  # cancelled (client went away) or a bug: release the backend
             backend.in_flight -= 1
-            if resp is not None:
-                resp.close()
+            if relay is not None:
+                relay.abort()
             raise
         backend.breaker.on_success()
         backend.observe_latency((time.perf_counter() - sent_at) * 1000)
         span.set_attribute("gateway.backend", backend.url)
-        span.set_attribute("http.status_code", resp.status)
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_DOWN}
-        out_headers["X-Request-ID"] = ctx.request_id
-        if first_chunk is None:
+        span.set_attribute("http.status_code", relay.status)
+        headers = {k: v for k, v in relay.headers.items() if k not in _DROP_DOWN}
+        headers["x-request-id"] = ctx.request_id
+        if relay.complete:
+            body = relay.take_body()
             backend.in_flight -= 1
-            resp.release()
             span.end()
             now = time.perf_counter()
             m.ttft.observe(now - ctx.received_at, pool.name)
             m.e2e.observe(now - ctx.received_at, pool.name)
-            return GatewayResponse(resp.status, out_headers, body=data)
-        is_sse = resp.headers.get("Content-Type", "").startswith("text/event-stream")
-        stream = _Relay(self, ctx, pool, backend, resp, first_chunk, is_sse, span)
-        return GatewayResponse(resp.status, out_headers, stream=stream)
+            return GatewayResponse(relay.status, headers, body=body)
+        relay.activate()
+        return GatewayResponse(relay.status, headers, stream=relay)
 
-    def _fail(self, pool: Pool, backend: BackendState, kind: str, count_breaker: bool = True) -> None:
-        backend.in_flight -= 1
-        self._metrics.backend_errors.inc(pool.name, backend.url, kind)
+    def fail(self, pool: Pool, backend: BackendState, kind: str, count_breaker: bool = True,
+             release: bool = True) -> None:
+        """Account one failed exchange with ``backend`` (``release``: free its in-flight slot too)."""
+        if release:
+            backend.in_flight -= 1
+        self.metrics.backend_errors.inc(pool.name, backend.url, kind)
         if count_breaker and backend.breaker.on_failure(time.monotonic()):
-            self._metrics.breaker_opened.inc(pool.name, backend.url)
+            self.metrics.breaker_opened.inc(pool.name, backend.url)
             log.warning("circuit breaker opened for %s after %s error", backend.url, kind)
-
-
-class _Relay:
-    """Async iterator over the backend's body chunks, as they arrive, for the frontend to write.
-
-    Timing: when the frontend asks for the next chunk, the previous one has been written
-    to the client socket, so that moment closes the per-chunk forwarding measurement.
-    ``aclose`` releases the backend connection exactly once, even if iteration never began.
-    """
-
-    def __init__(self, proxy: Proxy, ctx: RequestContext, pool: Pool, backend: BackendState,
-                 resp: aiohttp.ClientResponse, first_chunk: bytes, is_sse: bool, span: Any) -> None:
-        self._proxy = proxy
-        self._ctx = ctx
-        self._pool = pool
-        self._backend = backend
-        self.resp = resp
-        self._content = resp.content
-        self._first: bytes | None = first_chunk
-        self._is_sse = is_sse
-        self._span = span
-        self._arrived: float | None = None
-        self._sent_first = False
-        self._done = False
-        self._closed = False
-        self._clean = False
-        self.timed_out = False
-        self.last_activity = time.monotonic()
-        proxy._active.add(self)
-
-    def __aiter__(self) -> _Relay:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._arrived is not None:
-            now = time.perf_counter()
-            metrics = self._proxy._metrics
-            metrics.chunk_delay.observe(now - self._arrived, self._pool.name)
-            if not self._sent_first:
-                self._sent_first = True
-                metrics.ttft.observe(now - self._ctx.received_at, self._pool.name)
-            self._arrived = None
-        if self._first is not None:
-            chunk, self._first = self._first, None
-            if chunk:
-                self._arrived = time.perf_counter()
-                return chunk
-        if not self._done:
-            try:
-                chunk = await self._content.readany()
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                self._done = True
-                event = self._on_error(exc)
-                if event:
-                    return event
-                chunk = b""
-            if chunk:
-                self._arrived = time.perf_counter()
-                self.last_activity = time.monotonic()
-                return chunk
-            self._clean = not self._done
-            self._done = True
-        await self.aclose()
-        raise StopAsyncIteration
-
-    def _on_error(self, exc: BaseException) -> bytes:
-        kind = "timeout" if self.timed_out else "stream"
-        log.warning("request %s: backend %s failed mid-stream: %r", self._ctx.request_id, self._backend.url, exc)
-        self._backend.in_flight += 1  # _fail decrements; aclose does the real release
-        self._proxy._fail(self._pool, self._backend, kind)
-        self._span.set_attribute("gateway.stream_error", kind)
-        if self._is_sse:
-            return sse_error_event(f"backend failed after the response started: {kind} error")
-        return b""
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._proxy._active.discard(self)
-        self._backend.in_flight -= 1
-        if self._clean:
-            self.resp.release()
-        else:
-            self.resp.close()
-        self._proxy._metrics.e2e.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)
-        self._span.end()

@@ -125,6 +125,9 @@ class FakeBackend:
         interval = float(o.get("interval_ms", self.opts.interval_ms)) / 1000
         ttft = float(o.get("ttft_ms", self.opts.ttft_ms)) / 1000
         if not req.get("stream"):
+            if self.opts.fail_after is not None:
+                writer.transport.abort()
+                return False
             if ttft:
                 await asyncio.sleep(ttft + interval * max(0, tokens - 1))
             text = "".join(f"t{i} " for i in range(tokens))

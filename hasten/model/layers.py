@@ -109,12 +109,13 @@ def paged_attention(
     out = q.new_empty(t_total, num_heads * head_dim)
     for g in meta.groups:
         b, lq = g.token_index.shape
-        k = k_cache[g.block_tables]  # [B, nb, bs, KVH, D]
-        v = v_cache[g.block_tables]
-        lk = k.shape[1] * k.shape[2]
+        flat_tables = g.block_tables.view(-1)
+        lk = g.block_tables.shape[1] * k_cache.shape[1]
+        k = k_cache.index_select(0, flat_tables)  # [B*nb, bs, KVH, D]
+        v = v_cache.index_select(0, flat_tables)
         k = k.view(b, lk, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(b, lk, num_kv_heads, head_dim).transpose(1, 2)
-        qg = q[g.token_index]  # [B, Lq, H, D]
+        qg = q.index_select(0, g.token_index.view(-1)).view(b, lq, num_heads, head_dim)
         qg = qg.view(b, lq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, num_kv_heads, group * lq, head_dim)
         mask = g.mask

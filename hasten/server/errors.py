@@ -62,6 +62,10 @@ def error_body(status: int, message: str, type: str | None = None, param: str | 
 
 
 def error_response(err: APIError, request_id: str | None = None) -> Response:
+    if err.status >= 500 and err.status != 503:
+        logger.error("answered %d: %s", err.status, err.message)
+    else:
+        logger.info("answered %d: %s", err.status, err.message)
     headers = dict(err.headers)
     if request_id:
         headers["X-Request-ID"] = request_id
@@ -89,10 +93,14 @@ def engine_error(exc: Exception) -> APIError:
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    # Drop pydantic's union-branch markers such as 'str' or 'list[int]'.
-    parts = [p for p in parts if not p.startswith(("list[", "str", "int", "function-"))]
-    return ".".join(parts) or None
+    parts = [str(p) for p in loc[1:] if loc] if loc and loc[0] == "body" else [str(p) for p in loc]
+    return ".".join(p for p in parts if not _is_union_tag(p)) or None
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic puts the union branch it tried into `loc` ('str', 'list[int]', 'TextPart', ...)."""
+    return (part in ("str", "int", "float", "bool", "none", "dict") or part[:1].isupper()
+            or part.startswith(("list[", "dict[", "function-", "constrained-", "literal[")))
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError) -> Response:
@@ -103,6 +111,8 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     if first.get("type") == "json_invalid":
         message = f"Request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         param = None
+    elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "The request body must be a JSON object (send it with Content-Type: application/json)."
     else:
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         if len(errors) > 1:

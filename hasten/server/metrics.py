@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,7 @@ class ServerMetrics:
     """All of the server's metrics, in a registry of their own (so tests can build many apps)."""
 
     def __init__(self, get_engine: Callable[[], Any], model_name: Callable[[], str]) -> None:
+        disable_created_metrics()  # no `_created` series, as in vLLM
         self.registry = CollectorRegistry()
         self._model_name = model_name
         r = self.registry
@@ -97,15 +98,10 @@ class ServerMetrics:
                                          registry=r)
         self.request_success = Counter("hasten:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)
-        self.http_errors = Counter("hasten:http_request_errors", "Requests rejected with an error.",
-                                   ["model_name", "status"], registry=r)
         r.register(EngineStatsCollector(get_engine, model_name))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-    def observe_rejected(self, status: int) -> None:
-        self.http_errors.labels(self._model_name(), str(status)).inc()
 
     def observe_request(self, output: RequestOutput | None, n: int, client_gone: bool = False) -> None:
         """Record one engine request that has ended (finished, failed or aborted)."""

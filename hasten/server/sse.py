@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("hasten.server")
@@ -55,13 +56,14 @@ async def race_disconnect(receive: Receive, work: Awaitable[T], on_disconnect: C
     raise ClientDisconnected()
 
 
-class SSEResponse:
-    """An ASGI response streaming `data:` events from an async iterator of ready-made bytes."""
+class SSEResponse(StreamingResponse):
+    """Streams `data:` events from an async iterator of ready-made bytes, racing a disconnect watcher."""
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str],
                  on_disconnect: Callable[[], None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+                         media_type="text/event-stream")
         self.events = events
-        self.headers = headers
         self.on_disconnect = on_disconnect
 
     async def _stream(self, send: Send) -> None:
@@ -71,10 +73,7 @@ class SSEResponse:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
-        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
             await race_disconnect(receive, self._stream(send), self.on_disconnect)
         except ClientDisconnected:

@@ -115,8 +115,9 @@ class StructuredOutput:
             try:
                 if fmt.type == "json_schema":
                     compiled = self._compiler.compile_json_schema(key, any_whitespace=False)
-                else:
-                    compiled = self._compiler.compile_builtin_json_grammar()
+                else:  # json_object: any JSON object (like OpenAI's JSON mode)
+                    compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                                  strict_mode=False)
             except Exception as exc:  # xgrammar raises RuntimeError/ValueError for bad schemas
                 raise APIError(400, f"Invalid JSON schema: {exc}",
                                param="response_format.json_schema.schema") from exc

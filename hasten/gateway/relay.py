@@ -1,0 +1,272 @@
+"""Relay: one upstream exchange, from the first byte wait to the last forwarded chunk.
+
+Before the proxy commits to a backend, the relay collects the response head and the
+first body bytes (``ready`` resolves then, or on error / first-byte timeout). Once
+activated it forwards the body in one of two ways:
+
+* push (``pipe(sink)``), used by the HTTP/1.1 frontend: each upstream ``data_received``
+  calls ``sink.write`` directly, so a chunk goes from the backend socket to the client
+  socket without any coroutine switch or buffering;
+* pull (``async for chunk in relay``), used by the ASGI/HTTP/2 frontend and by middlewares
+  that want to wrap a stream.
+
+Mid-stream failures end an SSE stream with an error event; the relay then finishes
+normally so that the client never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from hasten.gateway.health import BackendState
+    from hasten.gateway.pipeline import RequestContext
+    from hasten.gateway.proxy import Proxy
+    from hasten.gateway.routing import Pool
+    from hasten.gateway.upstream import UpstreamConnection
+
+log = logging.getLogger("hasten.gateway")
+
+_PAUSE_AT = 64  # queued pieces in pull mode before upstream reading is paused
+
+
+class ClientSink(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+
+def sse_error_event(message: str, code: str = "upstream_stream_error") -> bytes:
+    payload = {"error": {"message": message, "type": "server_error", "code": code}}
+    return b"\n\ndata: " + json.dumps(payload).encode() + b"\n\n"
+
+
+class Relay:
+    def __init__(self, proxy: Proxy, ctx: RequestContext, pool: Pool, backend: BackendState,
+                 conn: UpstreamConnection, span: Any) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[None] = self._loop.create_future()
+        self._proxy = proxy
+        self._ctx = ctx
+        self._pool = pool
+        self._backend = backend
+        self._conn = conn
+        self._span = span
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.streaming = False
+        self.error: BaseException | None = None
+        self.timed_out = False
+        self.complete = False
+        self.last_activity = time.monotonic()
+        self._parts: list[bytes] = []
+        self._ended = False
+        self._active = False
+        self._closed = False
+        self._sink: ClientSink | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._arrived: float | None = None
+        self._out_t: float | None = None
+        self._sent_first = False
+        self._paused = False
+        self._is_sse = False
+
+    # -- before the first byte -------------------------------------------------------
+
+    def send(self, raw: bytes, first_byte_s: float) -> None:
+        self._timer = self._loop.call_later(first_byte_s, self._first_byte_timeout)
+        self._conn.start(raw, self, expect_body=self._ctx.method != "HEAD")
+
+    def _first_byte_timeout(self) -> None:
+        if not self.ready.done():
+            self.timed_out = True
+            self._conn.abort()
+            self.error = TimeoutError(f"no response within {self._proxy._cfg.timeouts.first_byte_s:g}s")
+            self.ready.set_result(None)
+
+    def _resolve(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    def peek(self) -> bytes:
+        return b"".join(self._parts)
+
+    def take_body(self) -> bytes:
+        body, self._parts = b"".join(self._parts), []
+        return body
+
+    def abort(self) -> None:
+        """Give up on this exchange before it was handed to the client (no accounting)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._conn.abort()
+        self._proxy.active.discard(self)
+
+    # -- upstream sink callbacks -------------------------------------------------------
+
+    def on_head(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+        self.headers = headers
+        self._is_sse = headers.get("content-type", "").startswith("text/event-stream")
+        self.streaming = self._is_sse or "content-length" not in headers
+
+    def on_data(self, data: bytes) -> None:
+        self.last_activity = time.monotonic()
+        sink = self._sink
+        if sink is not None:
+            t0 = time.perf_counter()
+            self._write(sink, data)
+            self._proxy.metrics.chunk_delay.observe(time.perf_counter() - t0, self._pool.name)
+            return
+        self._parts.append(data)
+        if not self._active:
+            if self.streaming:
+                self._resolve()
+            return
+        if self._arrived is None:
+            self._arrived = time.perf_counter()
+        self._wake()
+        if len(self._parts) >= _PAUSE_AT and not self._paused:
+            self._paused = True
+            self._conn.pause_reading()
+
+    def on_end(self) -> None:
+        self._ended = True
+        if not self._active:
+            self.complete = not self.streaming
+            self._resolve()
+        elif self._sink is not None or self._waiter is not None or not self._parts:
+            self._finish(clean=True)
+        else:
+            self._wake()
+
+    def on_error(self, exc: BaseException) -> None:
+        if not self._active:
+            self.error = exc
+            self._resolve()
+            return
+        self._stream_error(exc, "timeout" if self.timed_out else "stream")
+
+    # -- after activation --------------------------------------------------------------
+
+    def activate(self) -> None:
+        self._active = True
+        self._proxy.active.add(self)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def pipe(self, sink: ClientSink) -> asyncio.Future[None]:
+        """Push mode: write everything to ``sink`` as it arrives; the future resolves at the end."""
+        self._done = self._loop.create_future()
+        parts, self._parts = self._parts, []
+        for p in parts:
+            self._write(sink, p)
+        self._sink = sink
+        self._settle_pending()
+        if self._closed and not self._done.done():
+            self._done.set_result(None)
+        return self._done
+
+    def _write(self, sink: ClientSink, data: bytes) -> None:
+        sink.write(data)
+        if not self._sent_first:
+            self._sent_first = True
+            self._proxy.metrics.ttft.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)
+
+    def _settle_pending(self) -> None:
+        if self.error is not None and not self._closed:
+            self._stream_error(self.error, "timeout" if self.timed_out else "stream")
+        elif self._ended and not self._parts:
+            self._finish(clean=True)
+
+    def pause(self) -> None:
+        self._conn.pause_reading()
+
+    def resume(self) -> None:
+        self._conn.resume_reading()
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        metrics = self._proxy.metrics
+        if self._out_t is not None:
+            now = time.perf_counter()
+            metrics.chunk_delay.observe(now - self._out_t, self._pool.name)
+            if not self._sent_first:
+                self._sent_first = True
+                metrics.ttft.observe(now - self._ctx.received_at, self._pool.name)
+            self._out_t = None
+        while True:
+            if self._parts:
+                parts, self._parts = self._parts, []
+                self._out_t = self._arrived or time.perf_counter()
+                self._arrived = None
+                if self._paused:
+                    self._paused = False
+                    self._conn.resume_reading()
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if self._closed:
+                raise StopAsyncIteration
+            if self._ended or self.error is not None:
+                self._settle_pending()
+                continue
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def fail_now(self, exc: BaseException, kind: str) -> None:
+        """Called by the idle watchdog: the backend went silent mid-stream."""
+        if self._closed:
+            return
+        self.timed_out = True
+        self._conn.abort()
+        self._stream_error(exc, kind)
+
+    def _stream_error(self, exc: BaseException, kind: str) -> None:
+        if self._closed:
+            return
+        self.error = exc
+        log.warning("request %s: backend %s failed mid-stream: %r", self._ctx.request_id, self._backend.url, exc)
+        self._proxy.fail(self._pool, self._backend, kind, release=False)
+        self._span.set_attribute("gateway.stream_error", kind)
+        if self._is_sse:
+            event = sse_error_event(f"backend failed after the response started: {kind} error")
+            if self._sink is not None:
+                self._sink.write(event)
+            else:
+                self._parts.append(event)
+        self._finish(clean=False)
+
+    def _finish(self, clean: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not clean:
+            self._conn.abort()
+        self._proxy.active.discard(self)
+        self._backend.in_flight -= 1
+        self._proxy.metrics.e2e.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)
+        self._span.end()
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+        self._wake()
+
+    async def aclose(self) -> None:
+        """The client side is done (or gone): release the backend connection."""
+        if not self._closed:
+            self._finish(clean=False)

@@ -1,0 +1,183 @@
+"""The FastAPI application: routes, readiness, engine lifecycle, OpenAPI document.
+
+`build_app(engine_factory)` returns an app that starts listening at once and loads the
+engine in the background (`engine_factory` is blocking and runs in a worker thread),
+then runs `engine.start()` (which includes a warm-up step). Until that is done
+`/health` and every model endpoint answer 503, so a load balancer never routes to a
+cold replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from starlette.responses import Response
+
+from hasten.server import protocol as P
+from hasten.server.chat import chat_prompt, create_chat_completion
+from hasten.server.completions import create_completion
+from hasten.server.errors import RETRY_AFTER_SECONDS, APIError, install_error_handlers
+from hasten.server.metrics import CONTENT_TYPE, ServerMetrics
+from hasten.server.serving import Serving
+from hasten.server.tracing import RequestIdMiddleware
+
+logger = logging.getLogger("hasten.server")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": P.ErrorResponse, "description": desc}
+    for code, desc in ((400, "Invalid request"), (404, "Unknown model"),
+                       (429, "Waiting queue full; retry after Retry-After seconds"),
+                       (503, "Model still loading"))
+}
+# With "stream": true: Server-Sent Events, each `data:` a JSON chunk, the last one `[DONE]`.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "description": "One server-sent event; `data` is a chunk as JSON, or [DONE].",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}, "required": ["data"]}}}
+
+
+@dataclass
+class ServerState:
+    engine_factory: Callable[[], Any]
+    served_names: list[str] | None
+    on_load_failure: Callable[[BaseException], None] | None = None
+    engine: Any = None
+    serving: Serving | None = None
+    ready: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    startup_seconds: float | None = None
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(lambda: self.engine if self.ready else None, self.model_name)
+
+    def model_name(self) -> str:
+        if self.serving is not None:
+            return self.serving.model_name
+        return (self.served_names or ["-"])[0]
+
+    async def load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(self.engine_factory)
+            t_loaded = time.perf_counter()
+            await engine.start()
+            t_warm = time.perf_counter()
+            names = self.served_names or [engine.model_name]
+            self.engine = engine
+            self.serving = Serving(engine, self.metrics, names)
+            self.ready = True
+            self.startup_seconds = t_warm - t0
+            logger.info("ready: serving %s (max_model_len=%d) after %.2fs (load %.2fs, start+warm-up %.2fs)",
+                        names[0], engine.max_model_len, t_warm - t0, t_loaded - t0, t_warm - t_loaded)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("engine failed to load")
+            if self.on_load_failure is not None:
+                self.on_load_failure(exc)
+
+    def require(self) -> Serving:
+        if not self.ready or self.serving is None:
+            raise APIError(503, "The model is still loading.", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return self.serving
+
+
+def _request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+def _json(body: Any) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None = None,
+              on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    state = ServerState(engine_factory, served_names, on_load_failure)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(state.load())
+        yield
+        state.ready = False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if state.engine is not None:
+            logger.info("shutting down the engine")
+            await state.engine.shutdown()
+
+    app = FastAPI(title="hasten", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API of the hasten LLM serving stack.")
+    app.state.server = state
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+
+    @app.get("/health", responses={200: {"model": P.HealthResponse}, 503: _ERRORS[503]})
+    async def health() -> Response:
+        state.require()
+        return _json({"status": "ok"})
+
+    @app.get("/v1/models", responses={200: {"model": P.ModelList}, 503: _ERRORS[503]})
+    async def models() -> Response:
+        serving = state.require()
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "hasten",
+                 "max_model_len": serving.max_model_len} for name in sorted(serving.served_names)]
+        data.sort(key=lambda d: d["id"] != serving.model_name)
+        return _json({"object": "list", "data": data})
+
+    @app.post("/v1/completions", responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS})
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        return await create_completion(state.require(), request, body, _request_id(request))
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS})
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state.require(), request, body, _request_id(request))
+
+    @app.post("/tokenize", responses={200: {"model": P.TokenizeResponse}, **_ERRORS})
+    async def tokenize(body: P.TokenizeRequest) -> Response:
+        serving = state.require()
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
+        if body.messages is not None:
+            ids = chat_prompt(serving, body.messages, body.add_generation_prompt)
+        else:
+            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return _json({"tokens": list(ids), "count": len(ids), "max_model_len": serving.max_model_len})
+
+    @app.post("/detokenize", responses={200: {"model": P.DetokenizeResponse}, **_ERRORS})
+    async def detokenize(body: P.DetokenizeRequest) -> Response:
+        serving = state.require()
+        serving.check_model(body.model)
+        serving.check_token_ids(body.tokens, "tokens")
+        return _json({"prompt": serving.tokenizer.decode(body.tokens)})
+
+    @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    def openapi() -> dict[str, Any]:
+        # FastAPI documents a 422 for every body; this server answers 400 instead.
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            comps = schema.get("components", {}).get("schemas", {})
+            comps.pop("HTTPValidationError", None)
+            comps.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,145 @@
+"""`hasten serve [MODEL] [--host --port ...]`: run the OpenAI-compatible server.
+
+The HTTP listener comes up at once (so `/health` can answer 503 while loading); the
+engine loads in the background and the log says when it is ready and how long
+start-up took. SIGTERM/SIGINT stop accepting connections, let in-flight requests
+(streams included) finish for up to --graceful-timeout seconds, then shut the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("hasten.server")
+
+# flag -> engine option name; only flags given on the command line are passed on.
+ENGINE_FLAGS = {
+    "dtype": "dtype",
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_waiting_requests": "max_waiting_requests",
+    "kv_cache_memory_gb": "kv_cache_memory_gb",
+    "num_kv_blocks": "num_kv_blocks",
+    "scheduling_policy": "scheduling_policy",
+    "num_threads": "num_threads",
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hasten serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients may use in `model`; the first is reported")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-waiting-requests", type=int, help="queue limit; beyond it requests get 429")
+    p.add_argument("--kv-cache-memory-gb", type=float)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    p.add_argument("--num-threads", type=int)
+    p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other engine option (value parsed as a Python literal if possible)")
+    p.add_argument("--engine-factory", default="hasten.engine.async_engine:AsyncLLM.from_options",
+                   help="MODULE:CALLABLE(model, **options) building the engine (for tests and experiments)")
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    return p.parse_args(argv)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for flag, name in ENGINE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            options[name] = value
+    for item in args.engine_option:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key.strip()] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            options[key.strip()] = raw
+    return options
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    module_name, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fast_loop_and_http() -> tuple[str, str]:
+    loop, http = "asyncio", "h11"
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        pass
+    try:
+        import httptools  # noqa: F401
+
+        http = "httptools"
+    except ImportError:
+        pass
+    return loop, http
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from hasten.server.app import build_app
+    from hasten.server.tracing import configure_logging
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    configure_logging(args.log_level)
+    options = engine_options(args)
+    factory = load_callable(args.engine_factory)
+    logger.info("loading %s with options %s", args.model or "the default model", options or "{}")
+
+    def build_engine() -> Any:
+        return factory(args.model, **options)
+
+    failed: list[BaseException] = []
+
+    def on_load_failure(exc: BaseException) -> None:
+        failed.append(exc)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own handler then shuts down cleanly
+
+    app = build_app(build_engine, args.served_model_name, on_load_failure)
+    loop, http = _fast_loop_and_http()
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, http=http,
+                            log_level=args.log_level, access_log=args.access_log, lifespan="on",
+                            timeout_graceful_shutdown=args.graceful_timeout, log_config=None)
+    server = uvicorn.Server(config)
+    logger.info("listening on http://%s:%d (loop=%s, http=%s)", args.host, args.port, loop, http)
+    server.run()
+    if failed:
+        logger.error("exiting: the engine failed to load (%s)", failed[0])
+        return 1
+    logger.info("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
