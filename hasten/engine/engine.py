@@ -12,7 +12,7 @@ from hasten.config import EngineConfig
 from hasten.engine.detokenizer import IncrementalDetokenizer
 from hasten.engine.kv_cache import KVCacheManager
 from hasten.engine.model_runner import ModelRunner
-from hasten.engine.request import Request, RequestStatus
+from hasten.engine.request import Request
 from hasten.engine.sampler import Sampler, prompt_logprobs_for
 from hasten.engine.scheduler import Scheduler, SchedulerConfig
 from hasten.model.config import ModelConfig

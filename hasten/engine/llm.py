@@ -53,7 +53,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params)
 
