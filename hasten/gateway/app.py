@@ -164,7 +164,11 @@ class ClientConnection(asyncio.Protocol):
         if method == "HEAD":
             resp.body = b""
         self._respond(resp, keep)
-        self._done(keep)
+        # answered synchronously: _process's loop picks up any pipelined request (no recursion)
+        self._busy = False
+        if not keep and self.transport is not None:
+            self.transport.close()
+            self._buf = b""
 
     # -- responses -----------------------------------------------------------------------
 
@@ -268,6 +272,7 @@ async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | N
                                       backlog=4096, reuse_address=True)
     try:
         bound = server.sockets[0].getsockname()
+        gateway.address = (bound[0], bound[1])
         print(f"hasten gateway listening on http://{bound[0]}:{bound[1]} (HTTP/1.1, "
               f"{len(gateway.pools)} model pool(s))", flush=True)
         if ready is not None:

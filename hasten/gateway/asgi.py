@@ -123,6 +123,7 @@ async def serve_http2(gateway: Gateway, host: str, port: int, stop: asyncio.Even
     sock.listen(2048)
     sock.set_inheritable(True)
     bound = sock.getsockname()
+    gateway.address = (bound[0], bound[1])
     cfg = Config()
     cfg.bind = [f"fd://{sock.fileno()}"]
     cfg.accesslog = None

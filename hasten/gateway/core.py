@@ -47,6 +47,7 @@ class Gateway:
         self.handler: Handler = build_chain(stages, self.proxy.forward)
         self.metrics.add_collector(self._refresh_gauges)
         self.started_at = time.time()
+        self.address: tuple[str, int] | None = None  # set by the frontend once it listens
 
     async def start(self) -> None:
         await self.proxy.start()

@@ -77,6 +77,17 @@ class ChunkedDecoder:
         self.extra = b""
 
     def feed(self, data: bytes) -> list[bytes]:
+        if self.state == _SIZE and not self.pending:
+            # fast path: exactly one complete chunk, the common case for SSE token streams
+            eol = data.find(b"\r\n")
+            if 0 < eol <= 8:
+                try:
+                    size = int(data[:eol], 16)
+                except ValueError:
+                    size = 0
+                end = eol + 2 + size
+                if size and len(data) == end + 2 and data.endswith(b"\r\n"):
+                    return [data[eol + 2:end]]
         if self.pending:
             data = self.pending + data
             self.pending = b""

@@ -74,6 +74,7 @@ class Relay:
         self._sent_first = False
         self._paused = False
         self._is_sse = False
+        self._upstream_done = False  # the connection has delivered on_end/on_error and may be back in the pool
 
     # -- before the first byte -------------------------------------------------------
 
@@ -84,7 +85,7 @@ class Relay:
     def _first_byte_timeout(self) -> None:
         if not self.ready.done():
             self.timed_out = True
-            self._conn.abort()
+            self._drop_connection()
             self.error = TimeoutError(f"no response within {self._proxy._cfg.timeouts.first_byte_s:g}s")
             self.ready.set_result(None)
 
@@ -106,8 +107,14 @@ class Relay:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        self._conn.abort()
+        self._drop_connection()
         self._proxy.active.discard(self)
+
+    def _drop_connection(self) -> None:
+        # once the exchange is over the connection may already serve another request: leave it alone
+        if not self._upstream_done:
+            self._upstream_done = True
+            self._conn.abort()
 
     # -- upstream sink callbacks -------------------------------------------------------
 
@@ -138,6 +145,7 @@ class Relay:
             self._conn.pause_reading()
 
     def on_end(self) -> None:
+        self._upstream_done = True
         self._ended = True
         if not self._active:
             self.complete = not self.streaming
@@ -148,6 +156,7 @@ class Relay:
             self._wake()
 
     def on_error(self, exc: BaseException) -> None:
+        self._upstream_done = True
         if not self._active:
             self.error = exc
             self._resolve()
@@ -187,10 +196,12 @@ class Relay:
             self._finish(clean=True)
 
     def pause(self) -> None:
-        self._conn.pause_reading()
+        if not self._upstream_done:
+            self._conn.pause_reading()
 
     def resume(self) -> None:
-        self._conn.resume_reading()
+        if not self._upstream_done:
+            self._conn.resume_reading()
 
     def __aiter__(self) -> Relay:
         return self
@@ -211,7 +222,7 @@ class Relay:
                 self._arrived = None
                 if self._paused:
                     self._paused = False
-                    self._conn.resume_reading()
+                    self.resume()
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             if self._closed:
                 raise StopAsyncIteration
@@ -234,7 +245,7 @@ class Relay:
         if self._closed:
             return
         self.timed_out = True
-        self._conn.abort()
+        self._drop_connection()
         self._stream_error(exc, kind)
 
     def _stream_error(self, exc: BaseException, kind: str) -> None:
@@ -257,7 +268,7 @@ class Relay:
             return
         self._closed = True
         if not clean:
-            self._conn.abort()
+            self._drop_connection()
         self._proxy.active.discard(self)
         self._backend.in_flight -= 1
         self._proxy.metrics.e2e.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)

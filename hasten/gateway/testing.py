@@ -45,6 +45,7 @@ class FakeBackend:
     def __init__(self, opts: FakeBackendOptions) -> None:
         self.opts = opts
         self.requests = 0
+        self.connections = 0
         self.models: dict[str, int] = {}
         self.request_ids: list[str] = []
         self.prompts: list[str] = []
@@ -53,6 +54,7 @@ class FakeBackend:
         return await asyncio.start_server(self._conn, host, port, backlog=2048, limit=1 << 22)
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -88,7 +90,8 @@ class FakeBackend:
             self._plain(writer, self.opts.health_status, {"status": "ok"})
             return True
         if method == "GET" and path == "/stats":
-            self._plain(writer, 200, {"name": self.opts.name, "requests": self.requests, "models": self.models,
+            self._plain(writer, 200, {"name": self.opts.name, "requests": self.requests,
+                                      "connections": self.connections, "models": self.models,
                                       "request_ids": self.request_ids[-50:], "prompts": self.prompts[-50:]})
             return True
         if method == "POST" and path == "/admin/health":

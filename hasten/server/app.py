@@ -123,6 +123,8 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
     @app.get("/health", responses={200: {"model": P.HealthResponse}, 503: _ERRORS[503]})
     async def health() -> Response:
         state.require()
+        if getattr(state.engine, "errored", None) is not None:
+            raise APIError(503, f"The engine failed: {state.engine.errored}")
         return _json({"status": "ok"})
 
     @app.get("/v1/models", responses={200: {"model": P.ModelList}, 503: _ERRORS[503]})
