@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sweep-points", type=int, default=4, help="rates between sync and saturation")
     g.add_argument("--sweep-max-concurrency", type=int, default=None,
                    help="in-flight cap for the saturation and rate points (default: none)")
+    g.add_argument("--ramp-up", type=float, default=0.0,
+                   help="closed loop: start the clients evenly spread over this many seconds")
     g.add_argument("--warmup", type=int, default=1, help="warm-up requests per target and point (excluded)")
     g.add_argument("--max-duration", type=float, default=math.inf, help="stop dispatching after S seconds per run")
     g.add_argument("--drain-timeout", type=float, default=60.0,
@@ -147,6 +149,7 @@ def build_config(args: argparse.Namespace) -> CampaignConfig:
     client = ClientOptions(endpoint=args.endpoint, api_key=args.api_key, timeout=args.request_timeout,
                            ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=extra)
     run = RunOptions(max_duration=args.max_duration, drain_timeout=args.drain_timeout, seed=args.seed,
+                     ramp_up=args.ramp_up,
                      progress=False if (args.no_progress or args.quiet) else None)
     rounds = args.rounds if args.rounds else (2 if len(targets) > 1 else 1)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -43,6 +43,11 @@ class ResponseParser:
         self._in_trailers = False
         self._pending = b""
 
+    @property
+    def delimited_by_close(self) -> bool:
+        """True once headers say the body ends when the server closes the connection."""
+        return self._in_body and not self._chunked and self._length is None
+
     def feed(self, data: bytes) -> bytes:
         if self.finished:
             return b""
@@ -175,7 +180,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         parser = self._parser
         if parser is not None:
-            if parser._in_body and not parser._chunked and parser._length is None:
+            if parser.delimited_by_close:
                 self._finish(None)  # body delimited by close
             else:
                 self._finish(HttpError("connection_closed", "server closed the connection mid-response"))
