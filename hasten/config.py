@@ -23,7 +23,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
     # model execution
-    fuse_projections: bool = True  # one matmul for q/k/v and one for gate/up
+    quantization: str | None = None  # None | int8 | int4 (weight-only; see hasten.quant)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests that bring none
 

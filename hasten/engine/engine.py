@@ -80,7 +80,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
         state = load_state_dict(folder)
-        self.model = Decoder(cfg, state, self.dtype, self.max_model_len, config.fuse_projections)
+        self.model = Decoder(cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder))
         del state
         bs = config.block_size
         if config.num_kv_blocks:
@@ -111,6 +111,13 @@ class LLMEngine:
         self.seq_to_group: dict[str, _Group] = {}
         self.load_time = time.time() - t0
         logger.info("loaded %s (%s) in %.2fs: %d KV blocks of %d tokens", self.model_name, self.dtype, self.load_time, num_blocks, bs)
+
+    def _linear_factory(self, folder):
+        if not self.config.quantization:
+            return None
+        from hasten.quant import linear_factory_for
+
+        return linear_factory_for(self.config, folder)
 
     # ------------------------------------------------------------ requests in
 

@@ -1,8 +1,8 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-Weights are plain tensors held in small dataclasses; the forward pass is a handful of
-matmuls per layer. q/k/v and gate/up projections are fused into one matmul each when
-`fuse_projections` is on.
+Weights are held in small dataclasses; every projection is a callable built by a
+`LinearFactory` (float by default, quantized layouts from hasten.quant). q/k/v and gate/up
+are fused into one matmul each.
 """
 
 from __future__ import annotations
@@ -14,25 +14,17 @@ import torch.nn.functional as F
 
 from hasten.model.config import ModelConfig
 from hasten.model.layers import AttentionMetadata, RotaryEmbedding, apply_rope, paged_attention, rms_norm
+from hasten.model.linear import LinearFactory, LinearLayer, dense_factory
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    o_proj: torch.Tensor
-    down_proj: torch.Tensor
-    qkv_proj: torch.Tensor | None = None  # fused [q; k; v] rows
-    qkv_bias: torch.Tensor | None = None
-    q_proj: torch.Tensor | None = None
-    k_proj: torch.Tensor | None = None
-    v_proj: torch.Tensor | None = None
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    gate_up_proj: torch.Tensor | None = None  # fused [gate; up] rows
-    gate_proj: torch.Tensor | None = None
-    up_proj: torch.Tensor | None = None
+    qkv_proj: LinearLayer  # fused [q; k; v] rows (with bias for Qwen2)
+    o_proj: LinearLayer
+    gate_up_proj: LinearLayer  # fused [gate; up] rows
+    down_proj: LinearLayer
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
@@ -44,11 +36,13 @@ class Decoder:
         state: dict[str, torch.Tensor],
         dtype: torch.dtype,
         max_len: int,
-        fuse_projections: bool = True,
+        linear_factory: LinearFactory | None = None,
+        quantize_lm_head: bool = True,
     ):
+        """Build from a HF-named state dict; `linear_factory` decides how each projection is stored."""
         self.cfg = cfg
         self.dtype = dtype
-        self.fused = fuse_projections
+        make = linear_factory or dense_factory
 
         def take(name: str) -> torch.Tensor:
             if name not in state:
@@ -60,55 +54,36 @@ class Decoder:
 
         self.embed = take("model.embed_tokens.weight")
         self.final_norm = take("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = take("lm_head.weight")
+        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else take("lm_head.weight")
+        self.lm_head: LinearLayer = make("lm_head", head, None) if quantize_lm_head else dense_factory("lm_head", head, None)
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-            qb, kb, vb = (maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv")
-            gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            lw = LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                o_proj=take(p + "self_attn.o_proj.weight"),
-                down_proj=take(p + "mlp.down_proj.weight"),
-                q_norm=maybe(p + "self_attn.q_norm.weight"),
-                k_norm=maybe(p + "self_attn.k_norm.weight"),
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            qkv_bias = torch.cat(biases) if biases[0] is not None else None
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    qkv_proj=make(f"layers.{i}.qkv_proj", qkv.contiguous(), qkv_bias),
+                    o_proj=make(f"layers.{i}.o_proj", take(p + "self_attn.o_proj.weight"), None),
+                    gate_up_proj=make(f"layers.{i}.gate_up_proj", gate_up.contiguous(), None),
+                    down_proj=make(f"layers.{i}.down_proj", take(p + "mlp.down_proj.weight"), None),
+                    q_norm=maybe(p + "self_attn.q_norm.weight"),
+                    k_norm=maybe(p + "self_attn.k_norm.weight"),
+                )
             )
-            if fuse_projections:
-                lw.qkv_proj = torch.cat([q, k, v]).contiguous()
-                if qb is not None:
-                    lw.qkv_bias = torch.cat([qb, kb, vb]).contiguous()
-                lw.gate_up_proj = torch.cat([gate, up]).contiguous()
-            else:
-                lw.q_proj, lw.k_proj, lw.v_proj = q, k, v
-                lw.q_bias, lw.k_bias, lw.v_bias = qb, kb, vb
-                lw.gate_proj, lw.up_proj = gate, up
-            self.layers.append(lw)
         self.rope = RotaryEmbedding(cfg, max_len, dtype)
         self.scale = cfg.head_dim**-0.5
 
     # ---------------------------------------------------------------- forward
 
-    def _qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        if self.fused:
-            qkv = F.linear(x, lw.qkv_proj, lw.qkv_bias)
-            return qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :]
-        return F.linear(x, lw.q_proj, lw.q_bias), F.linear(x, lw.k_proj, lw.k_bias), F.linear(x, lw.v_proj, lw.v_bias)
-
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate_up = F.linear(x, lw.gate_up_proj)
-            inter = gate_up.shape[-1] // 2
-            h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        else:
-            h = F.silu(F.linear(x, lw.gate_proj)) * F.linear(x, lw.up_proj)
-        return F.linear(h, lw.down_proj)
+        gate_up = lw.gate_up_proj(x)
+        inter = gate_up.shape[-1] // 2
+        return lw.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
     def forward(
         self,
@@ -121,10 +96,12 @@ class Decoder:
         cfg = self.cfg
         t = input_ids.shape[0]
         cos, sin = self.rope.lookup(positions)
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         h = self.embed[input_ids]
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            q, k, v = self._qkv(lw, x)
+            qkv = lw.qkv_proj(x)
+            q, k, v = qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :]
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -138,10 +115,10 @@ class Decoder:
             flat_k.index_copy_(0, meta.slot_mapping, k)
             flat_v.index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale)
-            h = h + F.linear(attn, lw.o_proj)
+            h = h + lw.o_proj(attn)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             h = h + self._mlp(lw, x)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
