@@ -14,6 +14,7 @@ COMMANDS = {
     "generate": ("hasten.engine.cli", "Generate text offline from the command line"),
     "bench": ("hasten.bench.cli", "Load-test any OpenAI-compatible server"),
     "gateway": ("hasten.gateway.cli", "Run the gateway in front of many replicas"),
+    "eval-ppl": ("hasten.quant.cli", "Perplexity and top-1 agreement of a (quantized) model"),
 }
 
 
