@@ -22,6 +22,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
+    # speculative decoding
+    speculative: str | None = None  # None | "ngram" | "draft:<model path>"
+    num_speculative_tokens: int = 4  # the most draft tokens verified per request per step
+    speculative_adaptive: bool = True  # pick the depth per step from acceptance rates and step costs
+    ngram_min: int = 1
+    ngram_max: int = 4
     # model execution
     quantization: str | None = None  # None | int8 | int4 (weight-only; see hasten.quant)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default

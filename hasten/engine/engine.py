@@ -15,6 +15,7 @@ from hasten.engine.model_runner import ModelRunner
 from hasten.engine.request import Request
 from hasten.engine.sampler import Sampler, prompt_logprobs_for
 from hasten.engine.scheduler import Scheduler, SchedulerConfig
+from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
@@ -34,6 +35,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_proposer: str | None = None
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
 
 
 class QueueFullError(RuntimeError):
@@ -107,6 +112,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.dtype)
         self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
+        self.proposer = self._make_proposer()
+        self.spec_stats = SpecStats()
+        self.depth = DepthController(config.num_speculative_tokens, config.speculative_adaptive)
         self.groups: dict[str, _Group] = {}
         self.seq_to_group: dict[str, _Group] = {}
         self.load_time = time.time() - t0
@@ -118,6 +126,18 @@ class LLMEngine:
         from hasten.quant import linear_factory_for
 
         return linear_factory_for(self.config, folder)
+
+    def _make_proposer(self):
+        spec = self.config.speculative
+        if not spec:
+            return None
+        if spec == "ngram":
+            return NgramProposer(self.config.ngram_min, self.config.ngram_max)
+        if spec.startswith("draft:"):
+            from hasten.engine.spec.draft import DraftModelProposer
+
+            return DraftModelProposer(spec.split(":", 1)[1], self)
+        raise ValueError(f"unknown speculative method {spec!r}: use 'ngram' or 'draft:<model path>'")
 
     # ------------------------------------------------------------ requests in
 
@@ -194,10 +214,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return self._collect_outputs(set())
+        t0 = time.perf_counter()
         result = self.runner.execute(batch)
         now = time.time()
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
+            # draft tokens count as computed only once verified
+            req.num_computed_tokens += n - len(req.spec_token_ids)
             self.kv.cache_computed_blocks(req)
         for rid, (first_pos, logits) in result.prompt_logits.items():
             req = next(r for r in batch.requests if r.request_id == rid)
@@ -207,12 +229,66 @@ class LLMEngine:
                 req.prompt_logprobs = [None]
             req.prompt_logprobs.extend(prompt_logprobs_for(logits, nxt, k))
         touched: set[str] = set()
-        if result.sample_requests:
-            tokens, lps = self.sampler.sample(result.logits, result.sample_requests)
-            for req, tok, lp in zip(result.sample_requests, tokens, lps, strict=True):
+        plain, plain_rows, offset = [], [], 0
+        for req, rows in zip(result.sample_requests, result.num_rows, strict=True):
+            if rows == 1:
+                plain.append(req)
+                plain_rows.append(offset)
+            else:
+                self._verify(req, result.logits[offset : offset + rows], now)
+                touched.add(req.parent_id or req.request_id)
+            offset += rows
+        if plain:
+            logits = result.logits if len(plain_rows) == offset else result.logits[torch.tensor(plain_rows)]
+            tokens, lps = self.sampler.sample(logits, plain)
+            for req, tok, lp in zip(plain, tokens, lps, strict=True):
                 self._append_token(req, tok, lp, now)
                 touched.add(req.parent_id or req.request_id)
+        if self.proposer is not None:
+            self.depth.record_step(batch.total_tokens, time.perf_counter() - t0)
+            self._propose()
         return self._collect_outputs(touched)
+
+    def _verify(self, req: Request, rows: torch.Tensor, now: float) -> None:
+        drafts = req.spec_token_ids
+        tokens, lps, accepted = verify(self.sampler, req, rows, drafts, req.spec_probs)
+        k = len(drafts)
+        st = self.spec_stats
+        st.proposed += k
+        st.accepted += accepted
+        st.emitted += len(tokens)
+        st.steps += 1
+        observed = accepted / (accepted + (1 if accepted < k else 0))
+        req.spec_acceptance = 0.8 * req.spec_acceptance + 0.2 * observed
+        req.spec_token_ids = []
+        req.spec_probs = None
+        for tok, lp in zip(tokens, lps, strict=True):
+            self._append_token(req, tok, lp, now)
+            if req.is_finished:
+                return
+        req.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
+        self.kv.cache_computed_blocks(req)
+        self.kv.trim(req, req.num_tokens)
+
+    def _propose(self) -> None:
+        """Attach draft tokens to decoding requests for the next step."""
+        cands = [
+            r for r in self.scheduler.running
+            if r.num_computed_tokens == r.num_tokens - 1 and not r.params.logits_processors and r.output_token_ids
+        ]
+        if not cands:
+            return
+        others = len(self.scheduler.running) - len(cands)
+        k = self.depth.choose([r.spec_acceptance for r in cands], others)
+        if k == 0:
+            for r in cands:  # drift back toward the prior so speculation can come back
+                r.spec_acceptance = 0.95 * r.spec_acceptance + 0.05 * 0.7
+            return
+        wants = []
+        for r in cands:
+            room = min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1
+            wants.append(min(k, room))
+        self.proposer.propose_batch(cands, wants)
 
     def _append_token(self, req: Request, tok: int, lp, now: float) -> None:
         req.output_token_ids.append(tok)
@@ -311,6 +387,10 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_proposer=self.proposer.name if self.proposer is not None else None,
+            spec_proposed_tokens=self.spec_stats.proposed,
+            spec_accepted_tokens=self.spec_stats.accepted,
+            spec_emitted_tokens=self.spec_stats.emitted,
         )
 
 

@@ -164,6 +164,13 @@ class KVCacheManager:
             self.pool.register(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens (e.g. slots of rejected drafts)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(req.block_ids) > keep:
+            self.pool.release(list(reversed(req.block_ids[keep:])))
+            del req.block_ids[keep:]
+
     def free(self, req: Request) -> None:
         self.pool.release(list(reversed(req.block_ids)))
         req.block_ids = []

@@ -15,8 +15,10 @@ from hasten.model.layers import AttentionGroup, AttentionMetadata
 
 @dataclass
 class StepResult:
-    sample_requests: list[Request]  # requests whose newest token is now computed: sample one each
-    logits: torch.Tensor  # [len(sample_requests), V] float32
+    # requests whose newest real token is now computed: each gets 1 + (scheduled draft tokens) rows
+    sample_requests: list[Request]
+    logits: torch.Tensor  # [sum of rows, V] float32, in sample_requests order
+    num_rows: list[int]
     # request -> (first position covered, logits rows [n, V]) for prompt logprobs
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
 
@@ -82,11 +84,12 @@ class ModelRunner:
         rows: list[int] = []
         sample_reqs: list[Request] = []
         sample_rows: list[int] = []
+        num_rows: list[int] = []
         prompt_lp: list[tuple[Request, int, int, int]] = []  # req, first pos, first row, count
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
             rows.append(len(input_ids))
-            input_ids.extend(req.tokens_slice(start, start + n))
+            input_ids.extend(req.tokens_with_spec(start, start + n))
             pos = range(start, start + n)
             positions.extend(pos)
             table = req.block_ids
@@ -94,9 +97,13 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
                 prompt_lp.append((req, start, rows[-1], count))
-            if start + n == req.num_tokens:
+            last_real = req.num_tokens - 1  # position whose logits give the next real token
+            if start <= last_real < start + n:
+                first = rows[-1] + last_real - start
+                k = start + n - 1 - last_real  # draft tokens scheduled after it
                 sample_reqs.append(req)
-                sample_rows.append(rows[-1] + n - 1)
+                sample_rows.extend(range(first, first + k + 1))
+                num_rows.append(k + 1)
 
         starts = [r.num_computed_tokens for r in batch.requests]
         decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
@@ -123,4 +130,4 @@ class ModelRunner:
         prompt_logits = {}
         for req, first_pos, first_row, count in prompt_lp:
             prompt_logits[req.request_id] = (first_pos, self.model.logits(hidden[first_row : first_row + count]))
-        return StepResult(sample_reqs, logits, prompt_logits)
+        return StepResult(sample_reqs, logits, num_rows, prompt_logits)

@@ -50,6 +50,11 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     generator: torch.Generator | None = None
+    # speculative decoding: draft tokens proposed after the last real token, and (for a draft
+    # model) the proposal distributions they were drawn from, one row per draft token
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    spec_acceptance: float = 0.7  # running estimate of this request's draft acceptance rate
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,13 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def tokens_with_spec(self, start: int, end: int) -> list[int]:
+        """Like tokens_slice, but positions past the real tokens read the draft tokens."""
+        n = self.num_tokens
+        if end <= n:
+            return self.tokens_slice(start, end)
+        return self.tokens_slice(start, n) + self.spec_token_ids[max(0, start - n) : end - n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -67,9 +67,9 @@ class Sampler:
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [n, V] float32, one row per request. Returns tokens and (optional) logprobs."""
-        raw = logits
+    @staticmethod
+    def process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Logits processors, min_tokens and penalties, on a copy. Each row's context is its request's outputs."""
         logits = logits.clone()
         for i, r in enumerate(reqs):
             for proc in r.params.logits_processors:
@@ -81,7 +81,32 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
         apply_penalties(logits, reqs)
+        return logits
 
+    @staticmethod
+    def probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The distribution sampled from: temperature, then top-k / top-p / min-p, then softmax."""
+        ps = [r.params for r in reqs]
+        temp = torch.tensor([max(p.temperature, 1e-5) for p in ps], dtype=logits.dtype).unsqueeze(1)
+        filtered = apply_top_k_top_p_min_p(
+            logits / temp,
+            torch.tensor([p.top_k for p in ps]),
+            torch.tensor([p.top_p for p in ps], dtype=logits.dtype),
+            torch.tensor([p.min_p for p in ps], dtype=logits.dtype),
+        )
+        return filtered.softmax(-1)
+
+    def noise_for(self, req: Request, shape: tuple[int, ...]) -> torch.Tensor:
+        """Exp(1) noise from the request's own generator when it has a seed, else the shared one."""
+        return torch.empty(shape).exponential_(generator=req.generator or self.generator)
+
+    def uniform_for(self, req: Request) -> float:
+        return float(torch.rand((), generator=req.generator or self.generator))
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [n, V] float32, one row per request. Returns tokens and (optional) logprobs."""
+        raw = logits
+        logits = self.process(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
@@ -90,43 +115,40 @@ class Sampler:
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             idx = torch.tensor(rand)
-            ps = [reqs[i].params for i in rand]
-            temp = torch.tensor([p.temperature for p in ps], dtype=logits.dtype).unsqueeze(1)
-            sub = apply_top_k_top_p_min_p(
-                logits[idx] / temp,
-                torch.tensor([p.top_k for p in ps]),
-                torch.tensor([p.top_p for p in ps], dtype=logits.dtype),
-                torch.tensor([p.min_p for p in ps], dtype=logits.dtype),
-            )
-            probs = sub.softmax(-1)
+            probs = self.probs(logits[idx], [reqs[i] for i in rand])
             # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
             noise = torch.empty_like(probs)
             unseeded = [j for j, i in enumerate(rand) if reqs[i].generator is None]
             if unseeded:
                 noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
             for j, i in enumerate(rand):
-                gen = reqs[i].generator
-                if gen is not None:
-                    noise[j].exponential_(generator=gen)
+                if reqs[i].generator is not None:
+                    noise[j].exponential_(generator=reqs[i].generator)
             tokens[idx] = (probs / noise.clamp_(min=1e-30)).argmax(-1)
-
         token_list = tokens.tolist()
-        lps: list[TokenLogprobs | None] = [None] * len(reqs)
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if want:
-            idx = torch.tensor(want)
-            logp = raw[idx].log_softmax(-1)
-            k = max(reqs[i].params.logprobs or 0 for i in want)
-            top_v, top_i = logp.topk(max(k, 1), -1) if k else (None, None)
-            for j, i in enumerate(want):
-                tok = token_list[i]
-                d: TokenLogprobs = {tok: float(logp[j, tok])}
-                n = reqs[i].params.logprobs or 0
-                if n:
-                    for v, t in zip(top_v[j, :n].tolist(), top_i[j, :n].tolist(), strict=True):
-                        d.setdefault(t, v)
-                lps[i] = d
-        return token_list, lps
+        return token_list, logprobs_for(raw, reqs, token_list)
+
+
+def logprobs_for(raw: torch.Tensor, reqs: list[Request], tokens: list[int]) -> list[TokenLogprobs | None]:
+    """Logprob of each chosen token plus the request's top-n alternatives, from raw logits rows."""
+    lps: list[TokenLogprobs | None] = [None] * len(reqs)
+    want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not want:
+        return lps
+    logp = raw[torch.tensor(want)].log_softmax(-1)
+    k = max(reqs[i].params.logprobs or 0 for i in want)
+    top_v = top_i = None
+    if k:
+        top_v, top_i = logp.topk(k, -1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        tok = tokens[i]
+        d: TokenLogprobs = {tok: float(logp[j, tok])}
+        n = reqs[i].params.logprobs or 0
+        for v, t in zip(top_v[j][:n] if n else [], top_i[j][:n] if n else [], strict=True):
+            d.setdefault(t, v)
+        lps[i] = d
+    return lps
 
 
 def prompt_logprobs_for(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TokenLogprobs]:

@@ -88,6 +88,8 @@ class Scheduler:
             batch.num_new_tokens.pop(i)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.spec_probs = None
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -98,6 +100,13 @@ class Scheduler:
 
     def _tokens_wanted(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
+        if req.spec_token_ids:
+            # draft tokens ride along with the last real token; drop those the budget cannot take
+            keep = max(0, min(len(req.spec_token_ids), budget - n))
+            del req.spec_token_ids[keep:]
+            if req.spec_probs is not None:
+                req.spec_probs = req.spec_probs[:keep] if keep else None
+            n += keep
         if not self.config.enable_chunked_prefill and n > budget:
             return 0  # a whole prompt must fit in one step
         return min(n, budget)
