@@ -24,6 +24,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
     # speculative decoding
     speculative: str | None = None  # None | "ngram" | "draft:<model path>"
+    speculative_draft_quantization: str | None = None  # quantize the draft model (e.g. "int4")
     num_speculative_tokens: int = 4  # the most draft tokens verified per request per step
     speculative_adaptive: bool = True  # pick the depth per step from acceptance rates and step costs
     ngram_min: int = 1
@@ -32,6 +33,11 @@ class EngineConfig:
     quantization: str | None = None  # None | int8 | int4 (weight-only; see hasten.quant)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests that bring none
+
+    def clone(self, **changes) -> EngineConfig:
+        from dataclasses import replace
+
+        return replace(self, **changes)
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

@@ -136,7 +136,7 @@ class LLMEngine:
         if spec.startswith("draft:"):
             from hasten.engine.spec.draft import DraftModelProposer
 
-            return DraftModelProposer(spec.split(":", 1)[1], self)
+            return DraftModelProposer(spec.split(":", 1)[1], self, self.config.speculative_draft_quantization)
         raise ValueError(f"unknown speculative method {spec!r}: use 'ngram' or 'draft:<model path>'")
 
     # ------------------------------------------------------------ requests in
@@ -202,6 +202,8 @@ class LLMEngine:
         for req in group.seqs:
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
+                if self.proposer is not None:
+                    self.proposer.release(req.request_id)
             self.seq_to_group.pop(req.request_id, None)
         return True
 
@@ -320,6 +322,8 @@ class LLMEngine:
                 detok.flush()
             req.finish_reason, req.stop_reason = reason, stop_reason
             self.scheduler.finish(req, reason)
+            if self.proposer is not None:
+                self.proposer.release(req.request_id)
 
     def _collect_outputs(self, touched: set[str]) -> list[RequestOutput]:
         outs = []

@@ -178,3 +178,45 @@ def test_depth_controller_turns_speculation_off_when_it_stops_paying():
     assert dc.choose([0.1], other_tokens=0) == 0  # drafts keep failing
     assert dc.choose([0.6] * 64, other_tokens=0) == 0  # large batch: compute-bound, no gain
     assert DepthController(max_k=3, adaptive=False).choose([0.0], 0) == 3
+
+
+@pytest.fixture(scope="module")
+def draft_paths(tiny_models):
+    """A 1-layer draft with the target's tokenizer, and the target itself as a perfect draft."""
+    return tiny_models("llama", num_layers=1, seed=5), tiny_models("llama")
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["small-draft", "self-draft"])
+def test_draft_model_greedy_identical_and_blocks_released(tiny_models, draft_paths, which):
+    path = tiny_models("llama")
+    base = LLM(path, num_kv_blocks=512, max_model_len=1024)
+    spec = LLM(path, num_kv_blocks=512, max_model_len=1024, speculative=f"draft:{draft_paths[which]}",
+               speculative_adaptive=False, num_speculative_tokens=3)
+    prompts = _prompts(base.engine.model_config.vocab_size)[:8]
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)] == ref
+    st = spec.engine.get_stats()
+    assert st.spec_proposer.startswith("draft:") and st.spec_proposed_tokens > 0
+    if which == 1:  # the target drafting for itself is always right
+        assert st.spec_accepted_tokens == st.spec_proposed_tokens
+    assert spec.engine.kv.num_free_blocks == 512
+    draft = spec.engine.proposer
+    assert not draft.shadows and draft.kv.num_free_blocks == draft.kv.pool.num_blocks
+
+
+def test_draft_model_sampling_distribution_unchanged(tiny_models, draft_paths):
+    path = tiny_models("llama")
+    base = LLM(path, num_kv_blocks=1024, max_model_len=512, max_num_seqs=128)
+    spec = LLM(path, num_kv_blocks=1024, max_model_len=512, max_num_seqs=128, speculative=f"draft:{draft_paths[0]}",
+               speculative_adaptive=False, num_speculative_tokens=2)
+    sp = SamplingParams(temperature=1.2, top_k=6, max_tokens=3, ignore_eos=True)
+    prompt = [7, 8, 9, 10] * 5
+    vocab = base.engine.model_config.vocab_size
+
+    def histogram(llm, seed):
+        llm.engine.sampler.reseed(seed)
+        return np.bincount([o.outputs[0].token_ids[2] for o in llm.generate([prompt] * 400, sp)], minlength=vocab)
+
+    a, b = histogram(base, 3), histogram(spec, 4)
+    assert spec.engine.get_stats().spec_proposed_tokens >= 400
+    assert _chi_square_p(a, b) > 0.001

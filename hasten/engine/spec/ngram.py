@@ -37,3 +37,6 @@ class NgramProposer:
         for r, k in zip(reqs, ks, strict=True):
             r.spec_token_ids = self.propose(r.all_token_ids(), k) if k > 0 else []
             r.spec_probs = None
+
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
