@@ -23,7 +23,7 @@ from hasten.gateway.h1 import (
     parse_request_head,
     response_head,
 )
-from hasten.gateway.pipeline import GatewayResponse, RequestContext, error_body, new_request_id
+from hasten.gateway.pipeline import GatewayError, GatewayResponse, RequestContext, error_body, new_request_id
 from hasten.gateway.relay import Relay
 from hasten.gateway.upstream import set_nodelay
 
@@ -41,6 +41,7 @@ class ClientConnection(asyncio.Protocol):
         self._received_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._relay: Relay | None = None
+        self._fast: Relay | None = None
         self._head_pending = b""
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -60,6 +61,11 @@ class ClientConnection(asyncio.Protocol):
         self.connections.discard(self)
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        if self._fast is not None:  # waiting for the first byte on the fast path
+            self.gateway.proxy.cancel_fast(self._fast)
+            self._fast = None
+        if self._relay is not None and self._task is None:  # a piped fast-path stream
+            self._relay.close()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -145,7 +151,10 @@ class ClientConnection(asyncio.Protocol):
         if method == "POST" and path.startswith("/v1/") and path != "/v1/models":
             ctx = RequestContext(method=method, path=target, headers=headers, body=body, request_id=rid,
                                  received_at=self._received_at, client=self._peer)
-            self._task = asyncio.get_running_loop().create_task(self._run(ctx, keep))
+            if g.fast_path:
+                self._start_fast(ctx, keep)
+            else:
+                self._task = asyncio.get_running_loop().create_task(self._run(ctx, keep))
             return
         if method in ("GET", "HEAD") and path == "/health":
             status, payload = g.health_payload()
@@ -170,11 +179,68 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
             self._buf = b""
 
+    # -- fast path: no task, no coroutine on the happy path ---------------------------------
+
+    def _start_fast(self, ctx: RequestContext, keep: bool) -> None:
+        g = self.gateway
+        try:
+            g.prepare(ctx)
+        except Exception as exc:  # GatewayError, or a bug: answer in JSON either way
+            if not isinstance(exc, GatewayError):
+                log.exception("request %s: internal error", ctx.request_id)
+                exc = GatewayError(500, "internal gateway error", "server_error", "internal_error")
+            self._respond(g.finalize(ctx, GatewayResponse.from_error(exc)), keep)
+            self._done(keep)
+            return
+        relay = g.proxy.start_fast(ctx, lambda resp: self._fast_ready(ctx, resp, keep))
+        if relay is None:  # no pooled connection or no candidate: the general async path
+            self._task = asyncio.get_running_loop().create_task(self._run(ctx, keep, prepared=True))
+        else:
+            self._fast = relay
+
+    def _fast_ready(self, ctx: RequestContext, resp: GatewayResponse | None, keep: bool) -> None:
+        """Called from the upstream socket's callback once the first byte (or a failure) is in."""
+        try:
+            self._fast_respond(ctx, resp, keep)
+        except Exception:  # a bug must not leave the client hanging
+            log.exception("request %s: frontend error", ctx.request_id)
+            if self.transport is not None:
+                self.transport.abort()
+
+    def _fast_respond(self, ctx: RequestContext, resp: GatewayResponse | None, keep: bool) -> None:
+        self._fast = None
+        if resp is None:  # failed before any byte: retry the other candidates on the async path
+            if not self._closed:
+                self._task = asyncio.get_running_loop().create_task(self._run(ctx, keep, prepared=True))
+            return
+        resp = self.gateway.finalize(ctx, resp)
+        stream = resp.stream
+        if self._closed:
+            if isinstance(stream, Relay):
+                stream.close()
+            return
+        if stream is None:
+            self._respond(resp, keep)
+            self._done(keep)
+            return
+        assert isinstance(stream, Relay)
+        self._head_pending = response_head(resp.status, self._stream_headers(resp, keep))
+        self._relay = stream
+        stream.pipe(self).add_done_callback(lambda _: self._fast_stream_end(keep))
+
+    def _fast_stream_end(self, keep: bool) -> None:
+        self._relay = None
+        if self._closed or self.transport is None:
+            return
+        self.transport.write(self._head_pending + LAST_CHUNK)
+        self._head_pending = b""
+        self._done(keep)
+
     # -- responses -----------------------------------------------------------------------
 
-    async def _run(self, ctx: RequestContext, keep: bool) -> None:
+    async def _run(self, ctx: RequestContext, keep: bool, prepared: bool = False) -> None:
         try:
-            resp = await self.gateway.handle(ctx)
+            resp = await self.gateway.handle(ctx, prepared)
             if self._closed:
                 if resp.stream is not None:
                     await resp.stream.aclose()  # type: ignore[attr-defined]
@@ -203,12 +269,16 @@ class ClientConnection(asyncio.Protocol):
             h["connection"] = "close"
         self.transport.write(response_head(resp.status, h) + resp.body)
 
-    async def _stream(self, resp: GatewayResponse, keep: bool) -> None:
+    @staticmethod
+    def _stream_headers(resp: GatewayResponse, keep: bool) -> dict[str, str]:
         h = resp.headers
         h["transfer-encoding"] = "chunked"
         if not keep:
             h["connection"] = "close"
-        self._head_pending = response_head(resp.status, h)
+        return h
+
+    async def _stream(self, resp: GatewayResponse, keep: bool) -> None:
+        self._head_pending = response_head(resp.status, self._stream_headers(resp, keep))
         stream = resp.stream
         assert stream is not None
         try:
@@ -249,7 +319,8 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._buf:
             self.transport.resume_reading()
-            self._process()
+            # pipelined requests: continue from a fresh callback, never re-entrantly from an upstream one
+            asyncio.get_running_loop().call_soon(self._process)
 
     def _fatal(self, status: int, message: str) -> None:
         if self.transport is None:

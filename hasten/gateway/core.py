@@ -44,6 +44,8 @@ class Gateway:
         all_backends = [b for pool in self.pools.values() for b in pool.backends]
         self.health = HealthChecker(all_backends, cfg.health)
         stages: list[Middleware] = [self.authenticate, self.parse_request, *(middlewares or [])]
+        # without user middlewares the frontend may run the request without any task switch
+        self.fast_path = not middlewares
         self.handler: Handler = build_chain(stages, self.proxy.forward)
         self.metrics.add_collector(self._refresh_gauges)
         self.started_at = time.time()
@@ -60,6 +62,14 @@ class Gateway:
     # -- built-in pipeline stages ---------------------------------------------------
 
     async def authenticate(self, ctx: RequestContext, call_next: Handler) -> GatewayResponse:
+        self.check_auth(ctx)
+        return await call_next(ctx)
+
+    async def parse_request(self, ctx: RequestContext, call_next: Handler) -> GatewayResponse:
+        self.parse(ctx)
+        return await call_next(ctx)
+
+    def check_auth(self, ctx: RequestContext) -> None:
         if self._tenants:
             auth = ctx.header("authorization") or ""
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else (ctx.header("x-api-key") or "")
@@ -69,9 +79,8 @@ class Gateway:
                 raise GatewayError(401, msg, "invalid_request_error", "invalid_api_key",
                                    headers={"WWW-Authenticate": "Bearer"})
             ctx.tenant = tenant
-        return await call_next(ctx)
 
-    async def parse_request(self, ctx: RequestContext, call_next: Handler) -> GatewayResponse:
+    def parse(self, ctx: RequestContext) -> None:
         try:
             payload = json.loads(ctx.body) if ctx.body else None
         except (ValueError, UnicodeDecodeError) as exc:
@@ -95,19 +104,27 @@ class Gateway:
         ctx.stream = bool(payload.get("stream"))
         region = ctx.header(self.config.region_header)
         ctx.region = region or (ctx.tenant.region if ctx.tenant else None) or self.config.region
-        return await call_next(ctx)
+
+    def prepare(self, ctx: RequestContext) -> None:
+        """The built-in stages, synchronously (fast path only); raises :class:`GatewayError`."""
+        self.check_auth(ctx)
+        self.parse(ctx)
 
     # -- entry points used by the frontends -----------------------------------------------
 
-    async def handle(self, ctx: RequestContext) -> GatewayResponse:
+    async def handle(self, ctx: RequestContext, prepared: bool = False) -> GatewayResponse:
+        """Run the pipeline; ``prepared``: the built-in stages already ran (fast-path fallback)."""
         try:
-            resp = await self.handler(ctx)
+            resp = await (self.proxy.forward(ctx) if prepared else self.handler(ctx))
         except GatewayError as err:
             resp = GatewayResponse.from_error(err)
         except Exception:
             log.exception("request %s: internal error", ctx.request_id)
             resp = GatewayResponse.from_error(GatewayError(500, "internal gateway error", "server_error",
                                                            "internal_error"))
+        return self.finalize(ctx, resp)
+
+    def finalize(self, ctx: RequestContext, resp: GatewayResponse) -> GatewayResponse:
         resp.headers["x-request-id"] = ctx.request_id
         self.metrics.requests.inc(ctx.model if ctx.pool else "", str(resp.status))
         return resp

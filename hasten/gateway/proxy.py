@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hasten.gateway.config import GatewayConfig
@@ -84,17 +85,19 @@ class Proxy:
     async def forward(self, ctx: RequestContext) -> GatewayResponse:
         pool = ctx.pool
         assert pool is not None, "the parse stage sets ctx.pool"
-        inp = pool.route_input(ctx.payload, ctx.header(pool.config.session_header), ctx.region)
-        candidates = pool.candidates(inp)
-        if not candidates:
+        inp, candidates = self._route(ctx, pool)
+        # a failed fast-path attempt already used one try on these backends
+        tried: set[str] = ctx.attrs.get("_tried", set())
+        last: _Retryable | None = ctx.attrs.get("_last_error")
+        candidates = [b for b in candidates if b.url not in tried]
+        if not candidates and last is None:
             raise GatewayError(503, f"no healthy backend available for model {pool.name!r}",
                                "server_error", "no_healthy_backend")
         span = self._tracer.start("gateway.request", {"gateway.model": pool.name,
                                                       "gateway.request_id": ctx.request_id})
-        last: _Retryable | None = None
-        attempts = candidates[: 1 + self._cfg.max_retries]
+        attempts = candidates[: max(0, 1 + self._cfg.max_retries - len(tried))]
         for i, backend in enumerate(attempts):
-            if i:
+            if i or tried:
                 self.metrics.retries.inc(pool.name)
             try:
                 resp = await self._attempt(ctx, pool, backend, span, first=(i == 0))
@@ -106,12 +109,25 @@ class Proxy:
             pool.policy.commit(inp, backend)
             span.set_attribute("gateway.attempts", i + 1)
             return resp
-        span.set_attribute("gateway.attempts", len(attempts))
+        n = len(attempts) + len(tried)
+        span.set_attribute("gateway.attempts", n)
         span.end()
-        assert last is not None
+        if last is None:
+            raise GatewayError(503, f"no healthy backend available for model {pool.name!r}",
+                               "server_error", "no_healthy_backend")
         status = 503 if last.status in (429, 503) else 502
-        raise GatewayError(status, f"no backend could serve the request after {len(attempts)} attempt(s); "
+        raise GatewayError(status, f"no backend could serve the request after {n} attempt(s); "
                                    f"last error: {last}", "server_error", "upstream_unavailable")
+
+    @staticmethod
+    def _route(ctx: RequestContext, pool: Pool) -> tuple[Any, list[BackendState]]:
+        cached = ctx.attrs.pop("_route", None)
+        if cached is not None:
+            inp, candidates = cached
+            now = time.monotonic()
+            return inp, [b for b in candidates if b.available(now)]
+        inp = pool.route_input(ctx.payload, ctx.header(pool.config.session_header), ctx.region)
+        return inp, pool.candidates(inp)
 
     def _request_bytes(self, ctx: RequestContext, pool: Pool, backend: BackendState, span: Any) -> bytes:
         cfg = backend.config
@@ -175,6 +191,11 @@ class Proxy:
             if relay is not None:
                 relay.abort()
             raise
+        return self._success(ctx, pool, backend, relay, span, sent_at)
+
+    def _success(self, ctx: RequestContext, pool: Pool, backend: BackendState, relay: Relay, span: Any,
+                 sent_at: float) -> GatewayResponse:
+        m = self.metrics
         backend.breaker.on_success()
         backend.observe_latency((time.perf_counter() - sent_at) * 1000)
         span.set_attribute("gateway.backend", backend.url)
@@ -191,6 +212,78 @@ class Proxy:
             return GatewayResponse(relay.status, headers, body=body)
         relay.activate()
         return GatewayResponse(relay.status, headers, stream=relay)
+
+    # -- fast path: first attempt without any task switch -------------------------------------
+
+    def start_fast(self, ctx: RequestContext, done: Callable[[GatewayResponse | None], None]) -> Relay | None:
+        """Send to the primary backend now, on a pooled connection, from the caller's callback.
+
+        Returns None when that is not possible (no idle connection, no candidate): the caller
+        then uses the async path. Otherwise ``done`` is called from the upstream socket's
+        callback with the response once the first byte arrived, or with None if this attempt
+        failed before any byte; the caller then runs the async path, which skips the backend
+        tried here and counts this attempt.
+        """
+        pool = ctx.pool
+        assert pool is not None
+        inp, candidates = self._route(ctx, pool)
+        ctx.attrs["_route"] = (inp, candidates)  # the async path reuses this decision (policies keep state)
+        if not candidates:
+            return None
+        backend = candidates[0]
+        conn = self._pools[backend.url].take_idle()
+        if conn is None:
+            return None
+        span = self._tracer.start("gateway.request", {"gateway.model": pool.name,
+                                                      "gateway.request_id": ctx.request_id})
+        raw = self._request_bytes(ctx, pool, backend, span)
+        backend.breaker.on_attempt(time.monotonic())
+        backend.in_flight += 1
+        self.metrics.backend_requests.inc(pool.name, backend.url)
+        sent_at = time.perf_counter()
+        self.metrics.added_latency.observe(sent_at - ctx.received_at, pool.name)
+        relay = Relay(self, ctx, pool, backend, conn, span)
+
+        def ready() -> None:
+            done(self._fast_outcome(ctx, pool, backend, relay, inp, span, sent_at))
+
+        relay.on_ready = ready
+        relay.send(raw, self._cfg.timeouts.first_byte_s)
+        return relay
+
+    def _fast_outcome(self, ctx: RequestContext, pool: Pool, backend: BackendState, relay: Relay,
+                      inp: Any, span: Any, sent_at: float) -> GatewayResponse | None:
+        err: _Retryable | None = None
+        if relay.error is not None:
+            if relay.conn.reused and not relay.conn.got_bytes and not relay.timed_out:
+                backend.in_flight -= 1  # a stale pooled connection: not the backend's fault, not a try
+                span.end()
+                return None
+            kind = "timeout" if relay.timed_out else "stream"
+            err = _Retryable(kind, f"{kind} error from {backend.url}: {relay.error!r}")
+        elif relay.status >= 500 or relay.status == 429:
+            detail = relay.peek()[:200].decode("utf-8", "replace")
+            relay.abort()
+            err = _Retryable("status", f"HTTP {relay.status} from {backend.url}: {detail}", relay.status)
+        if err is not None:
+            self.fail(pool, backend, err.kind, count_breaker=err.status != 429)
+            log.info("request %s: backend %s failed before first byte (%s); retrying", ctx.request_id,
+                     backend.url, err)
+            ctx.attrs.setdefault("_tried", set()).add(backend.url)
+            ctx.attrs["_last_error"] = err
+            span.end()
+            return None
+        pool.policy.commit(inp, backend)
+        span.set_attribute("gateway.attempts", 1)
+        return self._success(ctx, pool, backend, relay, span, sent_at)
+
+    def cancel_fast(self, relay: Relay) -> None:
+        """The client went away while a fast-path attempt waited for its first byte."""
+        if relay.on_ready is not None:
+            relay.on_ready = None
+            relay.abort()
+            relay.backend.in_flight -= 1
+            relay.span.end()
 
     def fail(self, pool: Pool, backend: BackendState, kind: str, count_breaker: bool = True,
              release: bool = True) -> None:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class Relay:
         self._backend = backend
         self._conn = conn
         self._span = span
+        self.on_ready: Callable[[], None] | None = None  # fast path: called instead of awaiting ready
         self.status = 0
         self.headers: dict[str, str] = {}
         self.streaming = False
@@ -87,13 +89,28 @@ class Relay:
             self.timed_out = True
             self._drop_connection()
             self.error = TimeoutError(f"no response within {self._proxy._cfg.timeouts.first_byte_s:g}s")
-            self.ready.set_result(None)
+            self._resolve()
 
     def _resolve(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         if not self.ready.done():
             self.ready.set_result(None)
+            callback, self.on_ready = self.on_ready, None
+            if callback is not None:
+                callback()
+
+    @property
+    def conn(self) -> UpstreamConnection:
+        return self._conn
+
+    @property
+    def backend(self) -> BackendState:
+        return self._backend
+
+    @property
+    def span(self) -> Any:
+        return self._span
 
     def peek(self) -> bytes:
         return b"".join(self._parts)
@@ -277,7 +294,10 @@ class Relay:
             self._done.set_result(None)
         self._wake()
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
         """The client side is done (or gone): release the backend connection."""
         if not self._closed:
             self._finish(clean=False)
+
+    async def aclose(self) -> None:
+        self.close()

@@ -183,17 +183,24 @@ class UpstreamPool:
         self.max_idle = max_idle
         self._idle: list[UpstreamConnection] = []
 
-    async def acquire(self, fresh: bool = False) -> UpstreamConnection:
-        while self._idle and not fresh:
+    def take_idle(self) -> UpstreamConnection | None:
+        """A pooled keep-alive connection, or None (no I/O, never blocks)."""
+        while self._idle:
             conn = self._idle.pop()
             if conn.transport is not None and not conn.transport.is_closing():
                 conn.reused = True
                 return conn
+        return None
+
+    async def acquire(self, fresh: bool = False) -> UpstreamConnection:
+        conn = None if fresh else self.take_idle()
+        if conn is not None:
+            return conn
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
+        _, new = await asyncio.wait_for(
             loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
             self.connect_timeout_s)
-        return conn
+        return new
 
     def release(self, conn: UpstreamConnection) -> None:
         if len(self._idle) < self.max_idle:

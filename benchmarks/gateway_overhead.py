@@ -1,0 +1,403 @@
+"""Gateway overhead: direct-to-backend vs through `hasten gateway`, same fake SSE backend.
+
+    python benchmarks/gateway_overhead.py                       # 50, 200, 500 streams
+    python benchmarks/gateway_overhead.py --concurrency 200 --duration 10
+    python benchmarks/gateway_overhead.py --http2               # gateway on hypercorn (h1 clients)
+    python benchmarks/gateway_overhead.py --real-model PATH.gguf --skip-fake  # 2 real `hasten serve`
+                                                       # replicas: prefix_aware vs round_robin
+
+Processes: one fake backend (raw asyncio + uvloop), one gateway, and this load client
+(raw asyncio protocol, one keep-alive connection per stream), all on the same machine and
+sharing its cores; the figures include that contention. "Added" = through-gateway minus
+direct, per percentile. Chunk delay = time from the backend writing an SSE chunk to the
+client receiving it (both read CLOCK_MONOTONIC, which is system-wide on Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hasten.gateway.testing import LoadResult, run_load  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+def spawn(args: list[str], ready: str, timeout_s: float = 20.0) -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if ready in line:
+            return proc, line.strip()
+    proc.kill()
+    raise RuntimeError(f"{args} did not become ready")
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def addr(line: str) -> tuple[str, int]:
+    m = re.search(r"(\d+\.\d+\.\d+\.\d+):(\d+)", line)
+    assert m, line
+    return m.group(1), int(m.group(2))
+
+
+def write_config(path: Path, backends: list[str], policy: str, http2: bool = False) -> None:
+    cfg = {"listen": "127.0.0.1:0", "http2": http2,
+           "models": [{"name": "bench", "policy": policy, "backends": [{"url": u} for u in backends]}]}
+    path.write_text(json.dumps(cfg))  # JSON is valid YAML
+
+
+def scrape(host: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric_mean(text: str, name: str) -> float:
+    total = re.search(rf"hasten_gateway:{name}_sum\{{[^}}]*\}} (\S+)", text)
+    count = re.search(rf"hasten_gateway:{name}_count\{{[^}}]*\}} (\S+)", text)
+    if not total or not count or float(count.group(1)) == 0:
+        return float("nan")
+    return float(total.group(1)) / float(count.group(1)) * 1000
+
+
+async def measure(host: str, port: int, conc: int, duration: float, payload: dict) -> LoadResult:
+    await run_load(host, port, conc, 1.0, payload)  # warm code paths and the gateway's upstream pool
+    return await run_load(host, port, conc, duration, payload)
+
+
+def fake_overhead(args: argparse.Namespace) -> None:
+    backend, line = spawn(["-m", "hasten.gateway.testing", "--port", "0", "--name", "bench", "--uvloop",
+                           "--tokens", str(args.tokens), "--interval-ms", str(args.interval_ms),
+                           "--ttft-ms", str(args.ttft_ms)], "listening")
+    bhost, bport = addr(line)
+    gateway = pipe = None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = Path(tmp) / "gateway.yaml"
+            write_config(cfg, [f"http://{bhost}:{bport}"], "round_robin", args.http2)
+            gateway, gline = spawn(["-m", "hasten.cli", "gateway", "--config", str(cfg)], "listening")
+        ghost, gport = addr(gline)
+        targets = [("direct", (bhost, bport)), ("gateway", (ghost, gport))]
+        if args.pipe_baseline:
+            pipe, pline = spawn([str(Path(__file__).resolve()), "--_pipe", f"{bhost}:{bport}"], "listening")
+            targets.append(("pipe", addr(pline)))
+        payload = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+        rows = []
+        for conc in args.concurrency:
+            results = {name: LoadResult() for name, _ in targets}
+            cpu = CpuSample()
+            for _ in range(args.rounds):
+                for name, target in targets:
+                    if name == "gateway":
+                        cpu.start(gateway.pid)
+                    r = asyncio.run(measure(*target, conc, args.duration, payload))
+                    if name == "gateway":
+                        cpu.stop(gateway.pid, r)
+                    res = results[name]
+                    res.ttft_ms += r.ttft_ms
+                    res.chunk_ms += r.chunk_ms
+                    res.requests += r.requests
+                    res.errors += r.errors
+            rows.append((conc, results, cpu))
+            via = results["gateway"]
+            print(f"  done: {conc} streams ({via.requests} requests via gateway, {via.errors} errors)",
+                  file=sys.stderr, flush=True)
+        text = scrape(ghost, gport)
+        report(args, rows, text)
+    finally:
+        for proc in (gateway, pipe):
+            if proc is not None:
+                stop(proc)
+        stop(backend)
+
+
+def pipe_main(target: str) -> None:
+    """A do-nothing TCP relay (no HTTP parsing): the cost of one extra process hop on this machine."""
+    host, port = target.rsplit(":", 1)
+
+    class Side(asyncio.Protocol):
+        peer: Side | None = None
+        transport: asyncio.Transport | None = None
+        pending: bytes = b""
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport  # type: ignore[assignment]
+
+        def data_received(self, data: bytes) -> None:
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.write(data)
+            else:
+                self.pending += data
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.peer is not None and self.peer.transport is not None:
+                self.peer.transport.close()
+
+    class Front(Side):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            asyncio.get_running_loop().create_task(self._connect())
+
+        async def _connect(self) -> None:
+            back = Side()
+            back.peer = self
+            await asyncio.get_running_loop().create_connection(lambda: back, host, int(port))
+            self.peer = back
+            if self.pending and back.transport is not None:
+                back.transport.write(self.pending)
+                self.pending = b""
+
+    async def run() -> None:
+        server = await asyncio.get_running_loop().create_server(Front, "127.0.0.1", 0, backlog=4096)
+        print(f"pipe listening on 127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + vals[4]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(vals) - idle) / tick, sum(vals) / tick
+
+
+class CpuSample:
+    """Gateway CPU time and the machine's load from *other* processes during gateway cells."""
+
+    def __init__(self) -> None:
+        self.gateway_s = 0.0
+        self.wall_s = 0.0
+        self.machine_busy_s = 0.0
+        self.machine_total_s = 0.0
+        self.chunks = 0
+        self.requests = 0
+
+    def start(self, pid: int) -> None:
+        self._t = time.monotonic()
+        self._g = _proc_cpu_s(pid)
+        self._m = _machine_busy_s()
+
+    def stop(self, pid: int, r: LoadResult) -> None:
+        self.wall_s += time.monotonic() - self._t
+        self.gateway_s += _proc_cpu_s(pid) - self._g
+        busy, total = _machine_busy_s()
+        self.machine_busy_s += busy - self._m[0]
+        self.machine_total_s += total - self._m[1]
+        self.chunks += len(r.chunk_ms)
+        self.requests += r.requests
+
+
+def _added(base: list[float], other: list[float]) -> str:
+    return f"{pct(other, 50) - pct(base, 50):+6.2f}/{pct(other, 99) - pct(base, 99):+7.2f}"
+
+
+def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, LoadResult], CpuSample]],
+           metrics: str) -> None:
+    print(f"\nload average before the run: {args.load_before:.2f} (1 min); fake backend: {args.tokens} tokens/stream, "
+          f"{args.interval_ms} ms between tokens, ttft {args.ttft_ms} ms; {args.duration}s x {args.rounds} round(s) "
+          f"per cell; gateway transport: {'hypercorn (h1+h2c)' if args.http2 else 'raw asyncio (HTTP/1.1)'}; "
+          f"cpus: {os.cpu_count()} shared by client, gateway and backend")
+    hdr = (f"{'streams':>7} | {'TTFT p50 direct/gw/added':>26} | {'TTFT p99 direct/gw/added':>26} | "
+           f"{'chunk p50 d/gw/added':>22} | {'chunk p99 d/gw/added':>22} | {'req/s gw':>8} | {'errors':>6} | "
+           f"{'gw CPU':>6} | {'gw us/chunk':>11} | {'machine busy':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for conc, res, cpu in rows:
+        d, g = res["direct"], res["gateway"]
+        cells = []
+        for vals_d, vals_g, q in ((d.ttft_ms, g.ttft_ms, 50), (d.ttft_ms, g.ttft_ms, 99),
+                                  (d.chunk_ms, g.chunk_ms, 50), (d.chunk_ms, g.chunk_ms, 99)):
+            a, b = pct(vals_d, q), pct(vals_g, q)
+            cells.append(f"{a:6.2f}/{b:6.2f}/{b - a:+6.2f}")
+        rate = g.requests / (args.duration * args.rounds)
+        gw_cpu = cpu.gateway_s / cpu.wall_s if cpu.wall_s else float("nan")
+        per_chunk = cpu.gateway_s / cpu.chunks * 1e6 if cpu.chunks else float("nan")
+        busy = cpu.machine_busy_s / cpu.machine_total_s if cpu.machine_total_s else float("nan")
+        errors = sum(r.errors for r in res.values())
+        print(f"{conc:>7} | {cells[0]:>26} | {cells[1]:>26} | {cells[2]:>22} | {cells[3]:>22} | "
+              f"{rate:8.1f} | {errors:>6} | {gw_cpu:6.0%} | {per_chunk:11.1f} | {busy:12.0%}")
+    if "pipe" in rows[0][1]:
+        print("\nbaseline: a do-nothing TCP relay process in place of the gateway (the cost of one extra hop here)")
+        print(f"{'streams':>7} | {'TTFT added p50/p99 relay':>25} | {'TTFT added p50/p99 gw':>22} | "
+              f"{'chunk added p50/p99 relay':>26} | {'chunk added p50/p99 gw':>23}")
+        for conc, res, _ in rows:
+            d, g, p = res["direct"], res["gateway"], res["pipe"]
+            print(f"{conc:>7} | {_added(d.ttft_ms, p.ttft_ms):>25} | {_added(d.ttft_ms, g.ttft_ms):>22} | "
+                  f"{_added(d.chunk_ms, p.chunk_ms):>26} | {_added(d.chunk_ms, g.chunk_ms):>23}")
+    print("gw CPU = gateway process CPU time / wall time (100% = one core); gw us/chunk = gateway CPU per "
+          "forwarded SSE chunk, request costs included; machine busy = all CPUs, all processes (incl. other "
+          "users' jobs), during the gateway cells")
+    print(f"(all times in ms) gateway self-measured means over the whole run: request->upstream sent "
+          f"{metric_mean(metrics, 'added_latency_seconds'):.3f} ms, chunk read->written "
+          f"{metric_mean(metrics, 'chunk_forward_seconds'):.3f} ms")
+
+
+def real_replicas(args: argparse.Namespace) -> None:
+    """2 real `hasten serve` replicas, shared-prefix workload: prefix_aware vs round_robin."""
+    if importlib.util.find_spec("hasten.server.app") is None:
+        print("SKIPPED: hasten.server.app does not exist yet, so `hasten serve` cannot run real replicas")
+        return
+    replicas = []
+    try:
+        urls = []
+        for _ in range(2):
+            port = _free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "hasten.cli", "serve", args.real_model, "--host",
+                                     "127.0.0.1", "--port", str(port)], cwd=ROOT,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            replicas.append(proc)
+            urls.append(f"http://127.0.0.1:{port}")
+        for u, proc in zip(urls, replicas, strict=True):
+            _wait_health(u, proc, 600)
+        with urllib.request.urlopen(urls[0] + "/v1/models", timeout=5) as r:
+            served = json.loads(r.read())["data"][0]["id"]
+        prefixes = [f"You are assistant #{i}. " + "Follow the house style guide carefully. " * 40
+                    for i in range(8)]
+        print(f"\n2 x hasten serve {args.real_model}: 8 shared system prompts (~1.6k chars each), "
+              f"{args.real_concurrency} concurrent streams, {args.duration}s x 2 passes per policy")
+        print(f"{'policy':>18} | {'requests':>8} | {'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | {'prefix hit rate':>15}")
+        for policy in ("round_robin", "prefix_aware"):
+            before = [_hit_counts(u) for u in urls]
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = Path(tmp) / "gateway.yaml"
+                cfg.write_text(json.dumps({"listen": "127.0.0.1:0", "models": [
+                    {"name": "bench", "policy": policy, "backend_model": served,
+                     "backends": [{"url": u} for u in urls]}]}))
+                gw, line = spawn(["-m", "hasten.cli", "gateway", "--config", str(cfg)], "listening")
+            try:
+                res = asyncio.run(_prefix_load(*addr(line), args, prefixes))
+            finally:
+                stop(gw)
+            after = [_hit_counts(u) for u in urls]
+            hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+            total = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+            rate = f"{hits / total:.1%}" if total else "n/a"
+            print(f"{policy:>18} | {len(res.ttft_ms):>8} | {pct(res.ttft_ms, 50):11.1f} | "
+                  f"{pct(res.ttft_ms, 99):11.1f} | {rate:>15}")
+    finally:
+        for p in replicas:
+            stop(p)  # type: ignore[arg-type]
+
+
+async def _prefix_load(host: str, port: int, args: argparse.Namespace, prefixes: list[str]) -> LoadResult:
+    total = LoadResult()
+    per = max(1, args.real_concurrency // len(prefixes))
+    for _ in range(2):  # first pass fills caches, second is measured too; both count
+        results = await asyncio.gather(*(
+            run_load(host, port, per, args.duration, {
+                "model": "bench", "stream": True, "max_tokens": 16,
+                "messages": [{"role": "system", "content": p}, {"role": "user", "content": f"question {i}"}]})
+            for i, p in enumerate(prefixes)))
+        for r in results:
+            total.ttft_ms += r.ttft_ms
+    return total
+
+
+def _free_port() -> int:
+    import socket
+
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`hasten serve` for {url} exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy after {timeout_s}s")
+
+
+def _hit_counts(url: str) -> tuple[float, float]:
+    """(prefix-cache hit tokens, queried tokens) from a replica's /metrics (hasten:prefix_cache_*)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return (0.0, 0.0)
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^\S*{pattern}\S*(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+    return total("prefix_cache_hits"), total("prefix_cache_queries")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[50, 200, 500])
+    p.add_argument("--duration", type=float, default=6.0, help="seconds per measurement cell")
+    p.add_argument("--rounds", type=int, default=1, help="alternating direct/gateway rounds per cell")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--interval-ms", type=float, default=25.0)
+    p.add_argument("--ttft-ms", type=float, default=0.0)
+    p.add_argument("--http2", action="store_true", help="run the gateway on hypercorn (HTTP/2 capable)")
+    p.add_argument("--real-model", help="also run the 2-real-replica prefix benchmark: a model `hasten serve` "
+                                        "can load (name, folder or .gguf path)")
+    p.add_argument("--real-concurrency", type=int, default=16)
+    p.add_argument("--skip-fake", action="store_true", help="only run the real-replica part")
+    p.add_argument("--pipe-baseline", action="store_true",
+                   help="also measure a do-nothing TCP relay process in place of the gateway")
+    p.add_argument("--_pipe", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    if args._pipe:
+        pipe_main(args._pipe)
+        return
+    args.load_before = os.getloadavg()[0]
+    if not args.skip_fake:
+        fake_overhead(args)
+    if args.real_model:
+        real_replicas(args)
+
+
+if __name__ == "__main__":
+    main()
