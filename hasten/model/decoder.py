@@ -101,15 +101,15 @@ class Decoder:
         for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             qkv = lw.qkv_proj(x)
-            q, k, v = qkv[:, :qd], qkv[:, qd : qd + kd], qkv[:, qd + kd :]
-            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qd + kd :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
             if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+                q = rms_norm(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(qkv[:, qd : qd + kd].reshape(t, cfg.num_kv_heads, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps)
+                qk = torch.cat([q, k], dim=1)
+            else:
+                qk = qkv[:, : qd + kd].reshape(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             flat_k = k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
             flat_v = v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
             flat_k.index_copy_(0, meta.slot_mapping, k)

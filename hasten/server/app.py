@@ -76,8 +76,9 @@ class ServerState:
             self.serving = Serving(engine, self.metrics, names)
             self.ready = True
             self.startup_seconds = t_warm - t0
-            logger.info("ready: serving %s (max_model_len=%d) after %.2fs (load %.2fs, start+warm-up %.2fs)",
-                        names[0], engine.max_model_len, t_warm - t0, t_loaded - t0, t_warm - t_loaded)
+            logger.info("ready: serving %s (max_model_len=%d) after %.2fs (engine build %.2fs, start %.2fs; "
+                        "weights loaded and warm-up step run)", names[0], engine.max_model_len, t_warm - t0,
+                        t_loaded - t0, t_warm - t_loaded)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -20,6 +20,11 @@ from typing import Any
 
 logger = logging.getLogger("hasten.server")
 
+ENGINE_MODES = {
+    "process": "hasten.server.engine_process:ProcessEngine.from_options",
+    "thread": "hasten.engine.async_engine:AsyncLLM.from_options",
+}
+
 # flag -> engine option name; only flags given on the command line are passed on.
 ENGINE_FLAGS = {
     "dtype": "dtype",
@@ -54,8 +59,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int)
     p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
                    help="any other engine option (value parsed as a Python literal if possible)")
-    p.add_argument("--engine-factory", default="hasten.engine.async_engine:AsyncLLM.from_options",
-                   help="MODULE:CALLABLE(model, **options) building the engine (for tests and experiments)")
+    p.add_argument("--engine-mode", choices=list(ENGINE_MODES), default="thread",
+                   help="where the engine loop runs: a thread of the server process (default) or a child "
+                        "process (on CPU, give it --num-threads: see docs/server.md)")
+    p.add_argument("--engine-factory", default=None,
+                   help="MODULE:CALLABLE(model, **options) building the engine; overrides --engine-mode "
+                        "(for tests and experiments)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     configure_logging(args.log_level)
     options = engine_options(args)
-    factory = load_callable(args.engine_factory)
+    factory = load_callable(args.engine_factory or ENGINE_MODES[args.engine_mode])
     logger.info("loading %s with options %s", args.model or "the default model", options or "{}")
 
     def build_engine() -> Any:

@@ -62,7 +62,9 @@ def error_body(status: int, message: str, type: str | None = None, param: str | 
 
 
 def error_response(err: APIError, request_id: str | None = None) -> Response:
-    if err.status >= 500 and err.status != 503:
+    if err.status == 503:  # health probes while loading: not worth a line each
+        logger.debug("answered %d: %s", err.status, err.message)
+    elif err.status >= 500:
         logger.error("answered %d: %s", err.status, err.message)
     else:
         logger.info("answered %d: %s", err.status, err.message)

@@ -101,13 +101,13 @@ def build_plan(request_id: str, prompts: list[list[int]], params: SamplingParams
     multi = len(prompts) > 1 or processor_factory is not None
     for p_idx, ids in enumerate(prompts):
         if processor_factory is None:
-            eid = f"{request_id}-{p_idx}" if multi else request_id
+            eid = f"{request_id}/{p_idx}" if multi else request_id
             subs.append(SubRequest(eid, p_idx, ids, params, p_idx * n))
             continue
         for i in range(n):
             seed = None if params.seed is None else params.seed + i
             sub_params = params.clone(n=1, seed=seed, logits_processors=[processor_factory()])
-            subs.append(SubRequest(f"{request_id}-{p_idx}-{i}", p_idx, ids, sub_params, p_idx * n + i))
+            subs.append(SubRequest(f"{request_id}/{p_idx}.{i}", p_idx, ids, sub_params, p_idx * n + i))
     return Plan(request_id, subs, [len(p) for p in prompts], n)
 
 

@@ -87,10 +87,11 @@ class Serving:
                                param=param)
 
     def unique_id(self, request_id: str) -> str:
-        """Engine request ids must be unique even if a client reuses an X-Request-ID."""
+        """Engine request ids must be unique even if a client reuses an X-Request-ID. The suffixes use
+        characters an X-Request-ID cannot contain ('~' here, '/' for sub-requests), so no collisions."""
         rid, k = request_id, 1
         while rid in self._in_flight:
-            rid, k = f"{request_id}.{k}", k + 1
+            rid, k = f"{request_id}~{k}", k + 1
         return rid
 
     async def processor_factory(self, req: SamplingFields) -> Callable[[], Any] | None:
@@ -98,8 +99,9 @@ class Serving:
         if not wants_grammar(fmt):
             return None
         assert fmt is not None
-        compiled = await asyncio.to_thread(self.structured.compile, fmt)
-        return lambda: self.structured.processor(compiled)
+        key = self.structured.key_for(fmt)
+        compiled = await asyncio.to_thread(self.structured.compile_key, key)
+        return lambda: self.structured.processor(compiled, key)
 
     # ---- running ----------------------------------------------------------------------
     async def run(self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams,

@@ -26,15 +26,17 @@ from hasten.server.protocol import ResponseFormat
 logger = logging.getLogger("hasten.server.structured")
 
 _CACHE_SIZE = 128
+JSON_OBJECT_KEY = "<json_object>"
 
 
 class GrammarLogitsProcessor:
     """Masks one sequence's logits to what its grammar allows next. Not shared between sequences."""
 
-    def __init__(self, compiled_grammar: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, compiled_grammar: Any, vocab_size: int, stop_token_ids: list[int], key: str = "") -> None:
         import xgrammar as xg
 
         self._xg = xg
+        self.key = key  # what the grammar was compiled from: enough to rebuild it in another process
         self._compiled = compiled_grammar
         self.matcher = xg.GrammarMatcher(compiled_grammar)
         self.vocab_size = vocab_size
@@ -42,6 +44,13 @@ class GrammarLogitsProcessor:
         self.bitmask = xg.allocate_token_bitmask(1, vocab_size)
         self.num_accepted = 0
         self.rejected = False  # a token the grammar did not allow was forced in (engine bug)
+
+    def __reduce__(self) -> tuple:
+        # The xgrammar matcher cannot be pickled; a fresh processor is rebuilt from the grammar's key by
+        # the receiving process (the engine process), which must have called `set_process_tokenizer`.
+        if self.num_accepted:
+            raise TypeError("a GrammarLogitsProcessor in use cannot be moved to another process")
+        return (_rebuild_processor, (self.key,))
 
     def _catch_up(self, output_token_ids: list[int]) -> None:
         if len(output_token_ids) < self.num_accepted:
@@ -98,26 +107,31 @@ class StructuredOutput:
         self._info = xg.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=stop)
         self._compiler = xg.GrammarCompiler(self._info, max_threads=1)
 
-    def compile(self, fmt: ResponseFormat) -> Any:
-        """Blocking (milliseconds to seconds for big schemas): call it from a worker thread."""
+    @staticmethod
+    def key_for(fmt: ResponseFormat) -> str:
         if fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise APIError(400, "response_format.json_schema is required when type is 'json_schema'",
                                param="response_format.json_schema")
-            key = json.dumps(fmt.json_schema.schema_, sort_keys=True)
-        else:
-            key = "<json_object>"
+            return json.dumps(fmt.json_schema.schema_, sort_keys=True)
+        return JSON_OBJECT_KEY
+
+    def compile(self, fmt: ResponseFormat) -> Any:
+        """Blocking (milliseconds to seconds for big schemas): call it from a worker thread."""
+        return self.compile_key(self.key_for(fmt))
+
+    def compile_key(self, key: str) -> Any:
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
             self._ensure_compiler()
             try:
-                if fmt.type == "json_schema":
-                    compiled = self._compiler.compile_json_schema(key, any_whitespace=False)
-                else:  # json_object: any JSON object (like OpenAI's JSON mode)
+                if key == JSON_OBJECT_KEY:  # any JSON object (like OpenAI's JSON mode)
                     compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                                                   strict_mode=False)
+                else:
+                    compiled = self._compiler.compile_json_schema(key, any_whitespace=False)
             except Exception as exc:  # xgrammar raises RuntimeError/ValueError for bad schemas
                 raise APIError(400, f"Invalid JSON schema: {exc}",
                                param="response_format.json_schema.schema") from exc
@@ -126,8 +140,23 @@ class StructuredOutput:
                 self._cache.popitem(last=False)
             return compiled
 
-    def processor(self, compiled: Any) -> GrammarLogitsProcessor:
-        return GrammarLogitsProcessor(compiled, self._info.vocab_size, list(self._info.stop_token_ids))
+    def processor(self, compiled: Any, key: str = "") -> GrammarLogitsProcessor:
+        return GrammarLogitsProcessor(compiled, self._info.vocab_size, list(self._info.stop_token_ids), key)
+
+
+_process_structured: StructuredOutput | None = None
+
+
+def set_process_tokenizer(tokenizer: Any) -> None:
+    """In an engine process: the tokenizer that processors arriving by pickle are rebuilt for."""
+    global _process_structured
+    _process_structured = StructuredOutput(tokenizer)
+
+
+def _rebuild_processor(key: str) -> GrammarLogitsProcessor:
+    if _process_structured is None:
+        raise RuntimeError("set_process_tokenizer() was not called in this process")
+    return _process_structured.processor(_process_structured.compile_key(key), key)
 
 
 def wants_grammar(fmt: ResponseFormat | None) -> bool:
