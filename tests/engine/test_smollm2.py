@@ -31,10 +31,10 @@ def test_gguf_conversion_matches_transformers_gguf_loader(smol):
     ours = smol.engine.model
     q_rows = ours.cfg.num_heads * ours.cfg.head_dim
     for i in (0, 17, 29):
-        qkv = ours.layers[i].qkv_proj
+        qkv = ours.layers[i].qkv_proj.weight
         assert torch.equal(qkv[:q_rows], sd[f"model.layers.{i}.self_attn.q_proj.weight"])
         assert torch.equal(qkv[q_rows : q_rows + 192], sd[f"model.layers.{i}.self_attn.k_proj.weight"])
-        assert torch.equal(ours.layers[i].down_proj, sd[f"model.layers.{i}.mlp.down_proj.weight"])
+        assert torch.equal(ours.layers[i].down_proj.weight, sd[f"model.layers.{i}.mlp.down_proj.weight"])
     assert torch.equal(ours.embed, sd["model.embed_tokens.weight"])
 
 
