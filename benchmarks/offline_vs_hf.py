@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="HF folder or GGUF (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="smaller workload for a smoke run")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -58,7 +59,8 @@ def main() -> None:
     from hasten import LLM, SamplingParams
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, kv_cache_memory_gb=2.0, max_num_seqs=64)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, kv_cache_memory_gb=2.0, max_num_seqs=64,
+              num_threads=args.threads)
     hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=dtype).eval()
     vocab = llm.engine.model_config.vocab_size
     results: dict[str, dict] = {}

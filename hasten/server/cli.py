@@ -36,6 +36,12 @@ ENGINE_FLAGS = {
     "num_kv_blocks": "num_kv_blocks",
     "scheduling_policy": "scheduling_policy",
     "num_threads": "num_threads",
+    "speculative": "speculative",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "speculative_adaptive": "speculative_adaptive",
+    "quantization": "quantization",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "enable_chunked_prefill": "enable_chunked_prefill",
 }
 
 
@@ -57,6 +63,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     p.add_argument("--num-threads", type=int)
+    p.add_argument("--speculative", help="speculative decoding: ngram | draft:<model path>")
+    p.add_argument("--num-speculative-tokens", type=int, help="most draft tokens verified per step")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose the depth per step from acceptance rates (default on)")
+    p.add_argument("--quantization", choices=["int8", "int4", "gguf"], help="weight-only quantization")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
                    help="any other engine option (value parsed as a Python literal if possible)")
     p.add_argument("--engine-mode", choices=list(ENGINE_MODES), default="thread",

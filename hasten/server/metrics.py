@@ -59,6 +59,21 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"hasten:{name}", doc, labels=["model_name"])
             counter.add_metric(labels, value(attr))
             yield counter
+        proposer = getattr(stats, "spec_proposer", None) if stats is not None else None
+        if proposer:  # speculative decoding, per proposer (vLLM's spec_decode_* names)
+            for name, attr, doc in (
+                ("spec_decode_num_draft_tokens", "spec_proposed_tokens", "Draft tokens proposed."),
+                ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
+                ("spec_decode_num_emitted_tokens", "spec_emitted_tokens", "Tokens emitted by verification steps."),
+            ):
+                counter = CounterMetricFamily(f"hasten:{name}", doc, labels=["model_name", "proposer"])
+                counter.add_metric([*labels, proposer], value(attr))
+                yield counter
+            proposed = value("spec_proposed_tokens")
+            gauge = GaugeMetricFamily("hasten:spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
+                                      labels=["model_name", "proposer"])
+            gauge.add_metric([*labels, proposer], value("spec_accepted_tokens") / proposed if proposed else 0.0)
+            yield gauge
 
 
 class ServerMetrics:

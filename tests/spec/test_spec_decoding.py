@@ -220,3 +220,18 @@ def test_draft_model_sampling_distribution_unchanged(tiny_models, draft_paths):
     a, b = histogram(base, 3), histogram(spec, 4)
     assert spec.engine.get_stats().spec_proposed_tokens >= 400
     assert _chi_square_p(a, b) > 0.001
+
+
+def test_spec_metrics_are_exposed(tiny_models):
+    from hasten.server.metrics import EngineStatsCollector
+
+    spec = LLM(tiny_models("llama"), num_kv_blocks=256, max_model_len=512, speculative="ngram",
+               speculative_adaptive=False)
+    spec.generate([[5, 6, 7, 8] * 10], GREEDY)
+    fams = {f.name: f for f in EngineStatsCollector(lambda: spec.engine, lambda: "tiny").collect()}
+    st = spec.engine.get_stats()
+    drafted = fams["hasten:spec_decode_num_draft_tokens"].samples[0]
+    assert drafted.labels["proposer"] == "ngram" and drafted.value == st.spec_proposed_tokens > 0
+    assert fams["hasten:spec_decode_num_accepted_tokens"].samples[0].value == st.spec_accepted_tokens
+    rate = fams["hasten:spec_decode_acceptance_rate"].samples[0].value
+    assert abs(rate - st.spec_accepted_tokens / st.spec_proposed_tokens) < 1e-9
