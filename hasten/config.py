@@ -30,7 +30,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     # model execution
-    quantization: str | None = None  # None | int8 | int4 (weight-only; see hasten.quant)
+    quantization: str | None = None  # None | int8 | int4 | gguf (weight-only; see hasten.quant)
     # quantization options (also quantization="gguf": serve the GGUF's own Q8_0/Q4_0/Q4_1 blocks)
     quant_method: str = "rtn"  # int4 recipe: rtn (round-to-nearest) | awq (activation-aware scales)
     quant_group_size: int = 32  # int4 group: 32 | 64 | 128 (a layer whose K it does not divide uses a smaller one)
@@ -38,6 +38,7 @@ class EngineConfig:
     quantize_lm_head: bool = True  # False keeps lm_head in the engine dtype
     quant_cache_dir: str | None = None  # where quantized weights are saved; None = <hasten cache>/quant
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
+    cpu_linear_backend: str = "auto"  # auto | onednn (pre-packed float32 weights) | torch (F.linear)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests that bring none
 

@@ -122,7 +122,9 @@ class LLMEngine:
 
     def _linear_factory(self, folder):
         if not self.config.quantization:
-            return None
+            from hasten.model.linear import float_linear_factory
+
+            return float_linear_factory(self.config.cpu_linear_backend, self.dtype)
         from hasten.quant import linear_factory_for
 
         return linear_factory_for(self.config, folder)

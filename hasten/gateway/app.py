@@ -46,6 +46,7 @@ class ClientConnection(asyncio.Protocol):
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
         self._peer: str | None = None
+        self._ctx: RequestContext | None = None  # the request in progress (to release its governance state)
 
     # -- asyncio protocol --------------------------------------------------------------
 
@@ -68,6 +69,9 @@ class ClientConnection(asyncio.Protocol):
             self._relay.close()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+        if self._ctx is not None:
+            self.gateway.abandon(self._ctx)
+            self._ctx = None
 
     def data_received(self, data: bytes) -> None:
         self._received_at = time.perf_counter()
@@ -151,6 +155,7 @@ class ClientConnection(asyncio.Protocol):
         if method == "POST" and path.startswith("/v1/") and path != "/v1/models":
             ctx = RequestContext(method=method, path=target, headers=headers, body=body, request_id=rid,
                                  received_at=self._received_at, client=self._peer)
+            self._ctx = ctx
             if g.fast_path:
                 self._start_fast(ctx, keep)
             else:
@@ -312,6 +317,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _done(self, keep: bool) -> None:
         self._busy = False
+        self._ctx = None
         if self.transport is None or self._closed:
             return
         if not keep:

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from hasten.gateway.govconfig import ROUTE_KEYS, TOP_KEYS, GovernanceConfig, parse_governance
+
 POLICIES = ("round_robin", "least_outstanding", "prefix_aware", "session")
 
 
@@ -95,6 +97,7 @@ class GatewayConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    governance: GovernanceConfig = field(default_factory=GovernanceConfig)
 
 
 class _Checker:
@@ -196,7 +199,7 @@ def _backend(c: _Checker, raw: Any, where: str) -> BackendConfig | None:
 
 def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
     allowed = {"name", "policy", "backends", "backend_model", "session_header", "prefix_block_chars",
-               "prefix_max_blocks", "load_factor"}
+               "prefix_max_blocks", "load_factor", *ROUTE_KEYS}
     raw = c.mapping(raw, where, allowed)
     name = c.string(raw, "name", where, required=True)
     policy = c.string(raw, "policy", where, default="round_robin")
@@ -250,7 +253,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     """Validate a decoded YAML document and build a :class:`GatewayConfig`."""
     c = _Checker()
     allowed = {"listen", "models", "tenants", "region", "region_header", "http2", "max_retries",
-               "max_body_bytes", "health", "timeouts", "tracing"}
+               "max_body_bytes", "health", "timeouts", "tracing", *TOP_KEYS}
     if raw is None:
         raise ConfigError(source, ["the file is empty; expected a mapping with 'listen' and 'models'"])
     raw = c.mapping(raw, "", allowed)
@@ -261,6 +264,8 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     except ValueError as exc:
         c.fail("listen", str(exc))
     pools: list[PoolConfig] = []
+    gov_models: list[tuple[str, dict[str, Any], str]] = []
+    gov_tenants: list[tuple[str, dict[str, Any]]] = []
     models_raw = raw.get("models")
     if not isinstance(models_raw, list) or not models_raw:
         c.fail("models", "expected a non-empty list of model pools")
@@ -274,6 +279,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
                 c.fail(f"models[{i}].name", f"duplicate model name {pool.name!r}")
             names.add(pool.name)
             pools.append(pool)
+            gov_models.append((pool.name, item, f"models[{i}]"))
     tenants: list[TenantConfig] = []
     tenants_raw = raw.get("tenants")
     if tenants_raw is not None:
@@ -283,7 +289,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
             keys: set[str] = set()
             for i, item in enumerate(tenants_raw):
                 where = f"tenants[{i}]"
-                t = c.mapping(item, where, {"name", "key", "region"})
+                t = c.mapping(item, where, {"name", "key", "region", "limits", "priority"})
                 name = c.string(t, "name", where, required=True)
                 key = c.string(t, "key", where, required=True)
                 region = c.string(t, "region", where)
@@ -292,6 +298,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
                 if name is not None and key is not None:
                     keys.add(key)
                     tenants.append(TenantConfig(name=name, key=key, region=region))
+                    gov_tenants.append((name, t))
     health = _section(c, raw, "health", HealthConfig, {
         "path": ("string", {}),
         "interval_s": ("number", {"positive": True}),
@@ -314,6 +321,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         c.fail("tracing.exporter", f"{tracing.exporter!r} is not one of none, console, otlp")
     if not health.path.startswith("/"):
         c.fail("health.path", f"must start with '/', got {health.path!r}")
+    governance = parse_governance(c, raw, gov_tenants, gov_models, {p.name for p in pools})
     config = GatewayConfig(
         host=host, port=port, models=tuple(pools), tenants=tuple(tenants),
         region=c.string(raw, "region", ""),
@@ -321,7 +329,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         http2=c.boolean(raw, "http2", "", False),
         max_retries=c.number(raw, "max_retries", "", 2, integer=True),
         max_body_bytes=c.number(raw, "max_body_bytes", "", 32 * 1024 * 1024, integer=True, positive=True),
-        health=health, timeouts=timeouts, tracing=tracing,
+        health=health, timeouts=timeouts, tracing=tracing, governance=governance,
     )
     if c.problems:
         raise ConfigError(source, c.problems)

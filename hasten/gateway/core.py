@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from hasten.gateway.config import GatewayConfig
 from hasten.gateway.health import HealthChecker
@@ -25,6 +26,9 @@ from hasten.gateway.pipeline import (
 from hasten.gateway.proxy import Proxy
 from hasten.gateway.routing import Pool
 from hasten.gateway.tracing import Tracer
+
+if TYPE_CHECKING:
+    from hasten.gateway.governance import Governance
 
 log = logging.getLogger("hasten.gateway")
 
@@ -43,9 +47,24 @@ class Gateway:
         self.proxy = Proxy(cfg, self.metrics, self.tracer)
         all_backends = [b for pool in self.pools.values() for b in pool.backends]
         self.health = HealthChecker(all_backends, cfg.health)
-        stages: list[Middleware] = [self.authenticate, self.parse_request, *(middlewares or [])]
-        # without user middlewares the frontend may run the request without any task switch
-        self.fast_path = not middlewares
+        self.governance: Governance | None = None
+        # synchronous pre-routing hook (after auth and parsing, before any middleware; also on the fast
+        # path) and its counterpart, run by finalize on every response
+        self.pre_route: Callable[[RequestContext], None] | None = None
+        self.post_route: Callable[[RequestContext, GatewayResponse], None] | None = None
+        gov: list[Middleware] = []
+        if cfg.governance.enabled:
+            from hasten.gateway.governance import Governance
+
+            self.governance = Governance(cfg, self.pools, self.metrics)
+            if self.governance.sync_only:  # in-memory limits only: sync hooks, the fast path stays on
+                self.pre_route = self.governance.pre_route
+                self.post_route = self.governance.post_route
+            else:
+                gov.append(self.governance.middleware)
+        stages: list[Middleware] = [self.authenticate, self.parse_request, *gov, *(middlewares or [])]
+        # without middlewares (user or governance) the frontend may run the request without any task switch
+        self.fast_path = not middlewares and not gov
         self.handler: Handler = build_chain(stages, self.proxy.forward)
         self.metrics.add_collector(self._refresh_gauges)
         self.started_at = time.time()
@@ -54,10 +73,14 @@ class Gateway:
     async def start(self) -> None:
         await self.proxy.start()
         self.health.start()
+        if self.governance is not None:
+            await self.governance.start()
 
     async def close(self) -> None:
         await self.health.stop()
         await self.proxy.close()
+        if self.governance is not None:
+            await self.governance.close()
 
     # -- built-in pipeline stages ---------------------------------------------------
 
@@ -67,6 +90,8 @@ class Gateway:
 
     async def parse_request(self, ctx: RequestContext, call_next: Handler) -> GatewayResponse:
         self.parse(ctx)
+        if self.pre_route is not None:
+            self.pre_route(ctx)
         return await call_next(ctx)
 
     def check_auth(self, ctx: RequestContext) -> None:
@@ -109,6 +134,8 @@ class Gateway:
         """The built-in stages, synchronously (fast path only); raises :class:`GatewayError`."""
         self.check_auth(ctx)
         self.parse(ctx)
+        if self.pre_route is not None:
+            self.pre_route(ctx)
 
     # -- entry points used by the frontends -----------------------------------------------
 
@@ -126,8 +153,16 @@ class Gateway:
 
     def finalize(self, ctx: RequestContext, resp: GatewayResponse) -> GatewayResponse:
         resp.headers["x-request-id"] = ctx.request_id
+        if self.post_route is not None:
+            self.post_route(ctx, resp)
         self.metrics.requests.inc(ctx.model if ctx.pool else "", str(resp.status))
         return resp
+
+    def abandon(self, ctx: RequestContext) -> None:
+        """The client went away: release what governance holds for this request (idempotent)."""
+        settle = ctx.attrs.pop("_gov_settle", None)
+        if settle is not None:
+            settle(None)
 
     def models_payload(self) -> dict[str, Any]:
         created = int(self.started_at)

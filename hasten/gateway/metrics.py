@@ -134,6 +134,7 @@ class GatewayMetrics:
                               ("model",))
         self.e2e = Histogram("e2e_seconds", "Time from request received to last byte sent", ("model",))
         self._collectors: list[Callable[[], None]] = []
+        self.extra: list[Counter | Histogram] = []  # registered by optional features (governance)
 
     def add_collector(self, fn: Callable[[], None]) -> None:
         """Register a callback run before rendering (used to refresh gauges)."""
@@ -145,6 +146,6 @@ class GatewayMetrics:
         lines: list[str] = []
         for metric in (self.requests, self.backend_requests, self.backend_errors, self.retries,
                        self.in_flight, self.backend_up, self.breaker_opened, self.added_latency,
-                       self.chunk_delay, self.ttft, self.e2e):
+                       self.chunk_delay, self.ttft, self.e2e, *self.extra):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

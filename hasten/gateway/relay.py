@@ -77,6 +77,9 @@ class Relay:
         self._paused = False
         self._is_sse = False
         self._upstream_done = False  # the connection has delivered on_end/on_error and may be back in the pool
+        # observers that keep push mode (governance: caches, SLO and usage accounting)
+        self.taps: list[Callable[[bytes], None]] = []  # every body piece forwarded to the client
+        self.finishers: list[Callable[[bool], None]] = []  # once, at the end; True when it ended cleanly
 
     # -- before the first byte -------------------------------------------------------
 
@@ -202,6 +205,8 @@ class Relay:
 
     def _write(self, sink: ClientSink, data: bytes) -> None:
         sink.write(data)
+        if self.taps:
+            self._tap(data)
         if not self._sent_first:
             self._sent_first = True
             self._proxy.metrics.ttft.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)
@@ -240,7 +245,10 @@ class Relay:
                 if self._paused:
                     self._paused = False
                     self.resume()
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+                if self.taps:
+                    self._tap(data)
+                return data
             if self._closed:
                 raise StopAsyncIteration
             if self._ended or self.error is not None:
@@ -293,6 +301,19 @@ class Relay:
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
         self._wake()
+        finishers, self.finishers = self.finishers, []
+        for fn in finishers:
+            try:
+                fn(clean)
+            except Exception:  # an observer must not break the stream
+                log.exception("request %s: stream observer failed", self._ctx.request_id)
+
+    def _tap(self, data: bytes) -> None:
+        for fn in self.taps:
+            try:
+                fn(data)
+            except Exception:
+                log.exception("request %s: stream observer failed", self._ctx.request_id)
 
     def close(self) -> None:
         """The client side is done (or gone): release the backend connection."""

@@ -33,5 +33,49 @@ class DenseLinear:
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
+class OneDNNLinear(DenseLinear):
+    """Float32 linear with the weight pre-packed for oneDNN (measured ~1.8x faster than F.linear at
+    1-5 rows on the 2-core AVX2 CI machine, never slower up to 512 rows). Keeps `weight` for
+    introspection; the packed copy is what runs."""
+
+    PACK_HINT = 64  # batch-size hint for the packed layout; 64 measured best from 1 to 512 rows
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def onednn_available(dtype: torch.dtype) -> bool:
+    """The packed path exists for float32 wherever torch was built with oneDNN; probe it once."""
+    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.randn(8, 16)
+        x = torch.randn(3, 16)
+        return torch.allclose(OneDNNLinear(w)(x), F.linear(x, w), atol=1e-4)
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def dense_factory(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
     return DenseLinear(weight, bias)
+
+
+def onednn_factory(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
+    return OneDNNLinear(weight, bias)
+
+
+def float_linear_factory(backend: str, dtype: torch.dtype) -> LinearFactory:
+    """backend: "auto" (oneDNN packed when it works for this dtype, else torch) | "onednn" | "torch"."""
+    if backend not in ("auto", "onednn", "torch"):
+        raise ValueError(f"unknown cpu_linear_backend {backend!r}: auto, onednn or torch")
+    if backend == "torch":
+        return dense_factory
+    if onednn_available(dtype):
+        return onednn_factory
+    if backend == "onednn":
+        raise ValueError(f"the oneDNN linear path is not available for {dtype} on this machine")
+    return dense_factory

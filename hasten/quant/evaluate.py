@@ -1,0 +1,100 @@
+"""Perplexity and top-1 agreement of a (quantized) decoder against the unquantized one.
+
+Sequences are run through `Decoder.forward` as one causal prefill each, over a private
+paged KV cache, so exactly the production layers (kernels included) are measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hasten.model.decoder import Decoder
+from hasten.model.layers import AttentionGroup, AttentionMetadata
+
+_BLOCK = 16
+
+
+def prefill_hidden(decoder: Decoder, ids: list[int]) -> torch.Tensor:
+    """Final-norm hidden states [T, hidden] of one sequence, computed as a single causal prefill."""
+    cfg = decoder.cfg
+    t = len(ids)
+    nblocks = -(-t // _BLOCK)
+    shape = (nblocks, _BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=decoder.dtype), torch.zeros(shape, dtype=decoder.dtype)) for _ in range(cfg.num_layers)]
+    lk = nblocks * _BLOCK
+    pos = torch.arange(t)
+    mask = torch.arange(lk).view(1, 1, 1, lk) <= pos.view(1, 1, t, 1)
+    group = AttentionGroup(
+        token_index=pos.view(1, t),
+        block_tables=torch.arange(nblocks).view(1, nblocks),
+        mask=mask,
+        query_len=t,
+        valid=torch.ones(1, t, dtype=torch.bool),
+        flat_valid_index=pos.clone(),
+        flat_token_index=pos.clone(),
+    )
+    meta = AttentionMetadata(slot_mapping=pos.clone(), groups=[group])
+    return decoder.forward(torch.tensor(ids, dtype=torch.long), pos, meta, caches)
+
+
+@torch.inference_mode()
+def sequence_logits(decoder: Decoder, ids: list[int]) -> torch.Tensor:
+    """float32 logits [T, V] for every position of `ids`."""
+    return decoder.logits(prefill_hidden(decoder, ids))
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    reference_perplexity: float | None
+    top1_agreement: float | None  # share of positions whose argmax equals the reference's
+    num_tokens: int
+    num_sequences: int
+
+    @property
+    def increase(self) -> float | None:
+        if self.reference_perplexity is None:
+            return None
+        return self.perplexity / self.reference_perplexity - 1.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["increase"] = self.increase
+        return d
+
+
+@torch.inference_mode()
+def evaluate(
+    decoder: Decoder,
+    sequences: list[list[int]],
+    reference: Decoder | None = None,
+    reference_logits: list[torch.Tensor] | None = None,
+) -> PerplexityResult:
+    """Perplexity of next-token prediction over `sequences`; with `reference` (or its logits per
+    sequence, precomputed by `sequence_logits`), its perplexity and the top-1 agreement."""
+    nll, ref_nll, agree, count = 0.0, 0.0, 0, 0
+    has_ref = reference is not None or reference_logits is not None
+    for i, ids in enumerate(sequences):
+        if len(ids) < 2:
+            continue
+        target = torch.tensor(ids[1:], dtype=torch.long)
+        logits = sequence_logits(decoder, ids)[:-1]
+        nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        if has_ref:
+            full = reference_logits[i] if reference_logits is not None else sequence_logits(reference, ids)
+            ref_logits = full[:-1]
+            ref_nll += torch.nn.functional.cross_entropy(ref_logits, target, reduction="sum").item()
+            agree += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+        count += len(ids) - 1
+    if count == 0:
+        raise ValueError("no evaluation tokens")
+    return PerplexityResult(
+        perplexity=math.exp(nll / count),
+        reference_perplexity=math.exp(ref_nll / count) if has_ref else None,
+        top1_agreement=agree / count if has_ref else None,
+        num_tokens=count,
+        num_sequences=len(sequences),
+    )

@@ -1,0 +1,191 @@
+"""Linear layers over quantized weights, with the fastest CPU path chosen per call by row count.
+
+Small batches (decode) run PyTorch's weight-only kernels, which read the compact weight
+directly: `torch._weight_int8pack_mm` (int8 per channel) and
+`aten._weight_int4pack_mm_for_cpu` (int4 groups). Both are fast only with bfloat16
+activations (their float32 path is a slow reference loop), so float32 activations are cast
+to bfloat16 around the call. Above `max_kernel_rows` rows (prefill) the weight is dequantized
+to float32 for that call and a BLAS GEMM runs instead, which wins once the dequantization is
+amortised over enough rows. The output always has the activation dtype.
+
+The int4 kernel wants codes in its own blocked layout (`_convert_weight_to_int4pack_for_cpu`);
+the dequantize path reads the codes back from that layout (see `unpack_int4_kernel_layout`),
+so only one copy of the codes is held. Scales and zero points are held as the kernel wants
+them: bfloat16 [K // g, N, 2] with w = (q - 8) * scale + zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from hasten.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
+
+KERNEL_DTYPE = torch.bfloat16
+_N_BLOCK = 32  # the CPU int4 layout interleaves rows in blocks of 32
+
+
+def has_int4_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def has_int8_kernel() -> bool:
+    return hasattr(torch, "_weight_int8pack_mm")
+
+
+def pack_int4_for_kernel(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (N a multiple of 32) -> the CPU kernel's packed uint8 [N, K // 2]."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def unpack_int4_kernel_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_int4_for_kernel`: uint8 codes [n, k].
+
+    Byte (b, kk, j) of the blocked layout holds row b*32 + j % 16 (+16 in the high nibble)
+    at column 2*kk + j // 16.
+    """
+    p = packed.reshape(n // _N_BLOCK, k // 2, 2, 16)  # [block, k pair, k parity, row in half]
+    low = (p & 0x0F).permute(0, 3, 1, 2)  # [block, row, k pair, parity]
+    high = (p >> 4).permute(0, 3, 1, 2)
+    return torch.stack((low, high), dim=1).reshape(n, k)
+
+
+@functools.cache
+def int4_kernel_layout_known() -> bool:
+    """Check once that this torch build packs int4 the way `unpack_int4_kernel_layout` reads it."""
+    if not has_int4_kernel():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 96), generator=gen, dtype=torch.uint8)
+    try:
+        return bool(torch.equal(unpack_int4_kernel_layout(pack_int4_for_kernel(codes), 64, 96), codes))
+    except RuntimeError:
+        return False
+
+
+class QuantLinear:
+    """Shared parts: input scaling (AWQ), bias, dtype handling and path selection."""
+
+    kind = "quant"
+
+    def __init__(self, n: int, k: int, bias: torch.Tensor | None, input_scale: torch.Tensor | None, max_kernel_rows: int):
+        self.n, self.k = n, k
+        self.bias = bias
+        self.inv_input_scale = (1.0 / input_scale.float()) if input_scale is not None else None
+        self.max_kernel_rows = max_kernel_rows
+        self.use_kernel = True  # cleared when the kernel is missing in this torch build
+        self.calls = {"kernel": 0, "dequant": 0}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_input_scale is not None:
+            x = x * self.inv_input_scale.to(x.dtype)
+        if self.use_kernel and x.shape[0] <= self.max_kernel_rows:
+            self.calls["kernel"] += 1
+            y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+        else:
+            self.calls["dequant"] += 1
+            y = F.linear(x.float(), self.dequantize_codes()).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize_codes(self) -> torch.Tensor:
+        """float32 [N, K] weight as the kernel sees it (without the input scale)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] weight this layer multiplies the unscaled input by."""
+        w = self.dequantize_codes()
+        return w * self.inv_input_scale[None, :] if self.inv_input_scale is not None else w
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantLinear):
+    kind = "int8"
+
+    def __init__(self, qw: Int8Weight, max_kernel_rows: int = 32):
+        n, k = qw.shape
+        super().__init__(n, k, qw.bias, qw.input_scale, max_kernel_rows)
+        self.qweight = qw.qweight.contiguous()
+        self.scales = qw.scales.to(KERNEL_DTYPE).contiguous()
+        self.use_kernel = has_int8_kernel()
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+
+    def dequantize_codes(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        total = self.qweight.numel() + self.scales.numel() * 2
+        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
+        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+class Int4Linear(QuantLinear):
+    kind = "int4"
+
+    def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32):
+        n, k = qw.shape
+        super().__init__(n, k, qw.bias, qw.input_scale, max_kernel_rows)
+        self.group_size = qw.group_size
+        self.n_pad = -(-n // _N_BLOCK) * _N_BLOCK
+        pad = self.n_pad - n
+        codes = qw.unpack()
+        scales, mins = qw.scales.float(), qw.mins.float()
+        if pad:
+            codes = F.pad(codes, (0, 0, 0, pad))
+            scales = F.pad(scales, (0, 0, 0, pad))
+            mins = F.pad(mins, (0, 0, 0, pad))
+        zeros = mins + 8.0 * scales  # the kernel computes (q - 8) * scale + zero
+        self.scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).to(KERNEL_DTYPE).contiguous()
+        self.codes: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        self.use_kernel = has_int4_kernel()
+        if self.use_kernel:
+            self.packed = pack_int4_for_kernel(codes)
+            if not int4_kernel_layout_known():
+                self.codes = qw.qweight  # layout unknown: keep our own copy for the dequant path
+        else:
+            self.codes = qw.qweight
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_zeros)
+        return y[:, : self.n] if self.n_pad != self.n else y
+
+    def dequantize_codes(self) -> torch.Tensor:
+        if self.codes is not None:
+            q = torch.stack((self.codes & 0x0F, self.codes >> 4), dim=-1).view(self.n, self.k)
+        else:
+            q = unpack_int4_kernel_layout(self.packed, self.n_pad, self.k)[: self.n]
+        g = self.group_size
+        sz = self.scales_zeros[:, : self.n].float()  # [K // g, N, 2]
+        scale = sz[..., 0].t().unsqueeze(-1)
+        zero = sz[..., 1].t().unsqueeze(-1)
+        w = (q.view(self.n, self.k // g, g).float() - 8.0) * scale + zero
+        return w.view(self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        total = self.scales_zeros.numel() * 2
+        total += self.packed.numel() if self.packed is not None else 0
+        total += self.codes.numel() if self.codes is not None else 0
+        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
+        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32) -> QuantLinear:
+    if isinstance(qw, Int8Weight):
+        return Int8Linear(qw, max_kernel_rows)
+    return Int4Linear(qw, max_kernel_rows)
