@@ -16,3 +16,20 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[object]:
+    """A real redis-server on a free 127.0.0.1 port, killed after the test."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not installed (apt-get install -y redis-server)")
+    pytest.importorskip("redis", reason="the redis Python client is not installed (pip install redis)")
+    from gov_helpers import start_redis
+
+    server = start_redis(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
