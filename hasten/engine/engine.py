@@ -285,14 +285,16 @@ class LLMEngine:
         others = len(self.scheduler.running) - len(cands)
         k = self.depth.choose([r.spec_acceptance for r in cands], others)
         if k == 0:
-            for r in cands:  # drift back toward the prior so speculation can come back
-                r.spec_acceptance = 0.95 * r.spec_acceptance + 0.05 * 0.7
+            for r in cands:  # drift slowly back toward the prior so speculation can come back
+                r.spec_acceptance = 0.98 * r.spec_acceptance + 0.02 * 0.7
             return
         wants = []
         for r in cands:
             room = min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1
             wants.append(min(k, room))
+        t0 = time.perf_counter()
         self.proposer.propose_batch(cands, wants)
+        self.depth.record_proposal(sum(len(r.spec_token_ids) for r in cands), time.perf_counter() - t0)
 
     def _append_token(self, req: Request, tok: int, lp, now: float) -> None:
         req.output_token_ids.append(tok)

@@ -66,11 +66,12 @@ def test_sweep_finds_sync_and_saturation_and_rates_between() -> None:
 
 
 def test_compare_interleaves_same_requests_and_ratios() -> None:
-    fast = FakeServer(FakeServerConfig(ttft_ms=10, itl_ms=4, record=True))
-    slow = FakeServer(FakeServerConfig(ttft_ms=10, itl_ms=8, record=True))
+    # paces far above scheduling jitter on a busy 2-core machine (4 vs 8 ms flaked in CI)
+    fast = FakeServer(FakeServerConfig(ttft_ms=10, itl_ms=20, record=True))
+    slow = FakeServer(FakeServerConfig(ttft_ms=10, itl_ms=40, record=True))
     cfg = CampaignConfig(targets=[], workload=WorkloadConfig(num_requests=8, input_len=6, output_len=6, seed=9),
                          points=[LoadPoint("c2", concurrency=2), LoadPoint("c4", concurrency=4)],
-                         rounds=2, warmup=0, slo=SLO(tpot_ms=6.0))
+                         rounds=2, warmup=0, slo=SLO(tpot_ms=30.0))
     camp = asyncio.run(_campaign(cfg, [fast, slow]))
     # both servers received exactly the same prompts, in the same order
     assert [e.prompt for e in fast.log] == [e.prompt for e in slow.log] and len(fast.log) == 16
@@ -82,7 +83,7 @@ def test_compare_interleaves_same_requests_and_ratios() -> None:
     rows = ratio_rows(camp.results)
     assert [r["load"] for r in rows] == ["c2", "c4"] and all(r["target"] == "s1" for r in rows)
     for row in rows:
-        assert row["median_tpot_ms"] == pytest.approx(2.0, rel=0.25)  # 8 ms vs 4 ms per token
+        assert row["median_tpot_ms"] == pytest.approx(2.0, rel=0.25)  # 40 ms vs 20 ms per token
         assert row["output_throughput"] < 1.0
     caps = capacities(camp.results)
-    assert caps["s0"] is not None and caps["s1"] is None  # only the fast one meets TPOT <= 6 ms
+    assert caps["s0"] is not None and caps["s1"] is None  # only the fast one meets TPOT <= 30 ms

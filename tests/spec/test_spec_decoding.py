@@ -178,6 +178,11 @@ def test_depth_controller_turns_speculation_off_when_it_stops_paying():
     assert dc.choose([0.1], other_tokens=0) == 0  # drafts keep failing
     assert dc.choose([0.6] * 64, other_tokens=0) == 0  # large batch: compute-bound, no gain
     assert DepthController(max_k=3, adaptive=False).choose([0.0], 0) == 3
+    # a draft model that costs half a target step per draft token only pays with excellent drafts
+    for _ in range(8):
+        dc.record_proposal(4, 4 * 0.5 * 0.011)
+    assert dc.choose([0.5], other_tokens=0) == 0
+    assert dc.choose([0.97], other_tokens=0) >= 1
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,20 @@ class DepthController:
         self.adaptive = adaptive
         self.prior_ratio = per_token_ratio  # per_token / base until measurements say otherwise
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.proposal_samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def record_proposal(self, num_draft_tokens: int, seconds: float) -> None:
+        """Time spent proposing (a draft model's forward passes, an n-gram search)."""
+        if num_draft_tokens > 0:
+            self.proposal_samples.append((num_draft_tokens, seconds))
+
+    def draft_cost_ratio(self) -> float:
+        """Proposal cost per draft token, relative to the base cost of a target step."""
+        if not self.proposal_samples or len(self.samples) < 8:
+            return 0.0
+        per_draft = sum(s for _, s in self.proposal_samples) / sum(n for n, _ in self.proposal_samples)
+        base = min(s for _, s in self.samples)  # the cheapest recent step ~ base cost
+        return per_draft / base if base > 0 else 0.0
 
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.samples.append((num_tokens, seconds))
@@ -53,10 +67,11 @@ class DepthController:
         if not self.adaptive:
             return self.max_k
         r = self.cost_ratio()
+        d = self.draft_cost_ratio()
         best_k, best_rate = 0, 0.0
         for k in range(self.max_k + 1):
             tokens = sum(expected_tokens(a, k) for a in acceptances)
-            cost = 1 + r * (other_tokens + len(acceptances) * (1 + k))
+            cost = 1 + r * (other_tokens + len(acceptances) * (1 + k)) + d * k * len(acceptances)
             rate = tokens / cost
             if rate > best_rate * 1.02:  # prefer shallower on near-ties
                 best_k, best_rate = k, rate
