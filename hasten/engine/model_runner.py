@@ -69,8 +69,6 @@ class ModelRunner:
             token_index=token_index,
             block_tables=tables,
             mask=mask,
-            query_len=lq,
-            valid=valid,
             flat_valid_index=flat_valid,
             flat_token_index=token_index.view(-1)[flat_valid],
         )

@@ -162,6 +162,3 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
-
-    def has_unfinished(self) -> bool:
-        return self.has_work()

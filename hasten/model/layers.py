@@ -80,8 +80,6 @@ class AttentionGroup:
     token_index: torch.Tensor
     block_tables: torch.Tensor
     mask: torch.Tensor | None
-    query_len: int
-    valid: torch.Tensor  # [B, Lq] bool: which (seq, query) slots are real tokens
     flat_valid_index: torch.Tensor  # positions in the [B*Lq] padded layout that hold real tokens
     flat_token_index: torch.Tensor  # the flat-batch rows those real tokens belong to
 
