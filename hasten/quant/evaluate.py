@@ -31,8 +31,6 @@ def prefill_hidden(decoder: Decoder, ids: list[int]) -> torch.Tensor:
         token_index=pos.view(1, t),
         block_tables=torch.arange(nblocks).view(1, nblocks),
         mask=mask,
-        query_len=t,
-        valid=torch.ones(1, t, dtype=torch.bool),
         flat_valid_index=pos.clone(),
         flat_token_index=pos.clone(),
     )
