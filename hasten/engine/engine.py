@@ -16,6 +16,7 @@ from hasten.engine.request import Request
 from hasten.engine.sampler import Sampler, prompt_logprobs_for
 from hasten.engine.scheduler import Scheduler, SchedulerConfig
 from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
+from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
@@ -23,26 +24,6 @@ from hasten.outputs import CompletionOutput, RequestOutput
 from hasten.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    spec_proposer: str | None = None
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_emitted_tokens: int = 0
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is over its limit (the server answers 429)."""
 
 
 @dataclass

@@ -26,30 +26,15 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import astuple
 from multiprocessing.connection import Connection
 from typing import Any
 
+from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.outputs import CompletionOutput, RequestOutput
 from hasten.sampling_params import SamplingParams
 
 logger = logging.getLogger("hasten.server.engine")
-
-
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is full (same name as the engine's: the server answers 429)."""
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
 
 
 # ---------------------------------------------------------------------------------- child process
@@ -125,8 +110,7 @@ def _child_main(conn: Connection) -> None:
             if out.finished:
                 seen.discard(out.request_id)
         s = engine.get_stats()
-        stats = (s.num_running, s.num_waiting, s.kv_cache_usage, s.num_free_blocks, s.num_total_blocks,
-                 s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions)
+        stats = astuple(s)  # every field, speculative-decoding counters included
         if msgs or stats != last_stats:
             conn.send(("step", msgs, stats))
             last_stats = stats

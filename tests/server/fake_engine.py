@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hasten.sampling_params import SamplingParams
 
@@ -32,10 +33,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-class QueueFullError(RuntimeError):
-    """Same name as the engine's; the server matches it by name."""
 
 
 def make_tokenizer() -> Any:
@@ -53,18 +50,6 @@ def make_tokenizer() -> Any:
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE)
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
 
 
 @dataclass

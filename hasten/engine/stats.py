@@ -1,0 +1,25 @@
+"""Engine-facing types the HTTP side needs without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    spec_proposer: str | None = None
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over its limit (the server answers 429)."""
