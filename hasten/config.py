@@ -38,6 +38,7 @@ class EngineConfig:
     quantize_lm_head: bool = True  # False keeps lm_head in the engine dtype
     quant_cache_dir: str | None = None  # where quantized weights are saved; None = <hasten cache>/quant
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
+    attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
     cpu_linear_backend: str = "auto"  # auto | onednn (pre-packed float32 weights) | torch (F.linear)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests that bring none

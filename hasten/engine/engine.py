@@ -19,6 +19,7 @@ from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
+from hasten.model.layers import resolve_attention_backend
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
 from hasten.outputs import CompletionOutput, RequestOutput
 from hasten.sampling_params import SamplingParams
@@ -90,7 +91,8 @@ class LLMEngine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.dtype)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.dtype, self.attention_backend)
         self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
         self.proposer = self._make_proposer()

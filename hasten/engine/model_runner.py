@@ -24,7 +24,19 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: Decoder,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        attention_backend: str = "sdpa",
+    ):
+        """attention_backend: "cpp" (kernel reading the block pool in place) or "sdpa" (padded gather)."""
+        if attention_backend not in ("cpp", "sdpa"):
+            raise ValueError(f"unknown attention backend {attention_backend!r}")
+        self.attention_backend = attention_backend
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -73,6 +85,43 @@ class ModelRunner:
             flat_token_index=token_index.view(-1)[flat_valid],
         )
 
+    def _flat_metadata(self, batch: ScheduledBatch, starts: list[int], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        bs = self.block_size
+        ctx = [s + n for s, n in zip(starts, batch.num_new_tokens, strict=True)]
+        width = -(-max(ctx) // bs)
+        flat: list[int] = []
+        for req, c in zip(batch.requests, ctx, strict=True):
+            used = -(-c // bs)
+            flat.extend(req.block_ids[:used])
+            flat.extend([0] * (width - used))
+        query_start = [0]
+        for n in batch.num_new_tokens:
+            query_start.append(query_start[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=torch.tensor(flat, dtype=torch.int32).view(len(ctx), width),
+            query_start=torch.tensor(query_start, dtype=torch.long),
+            context_lens=torch.tensor(ctx, dtype=torch.long),
+        )
+
+    def _padded_metadata(
+        self, batch: ScheduledBatch, starts: list[int], rows: list[int], slot_mapping: torch.Tensor
+    ) -> AttentionMetadata:
+        decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+        prefill = [i for i, n in enumerate(batch.num_new_tokens) if n > 1]
+        groups = []
+        for sel in (decode, prefill):
+            if sel:
+                groups.append(
+                    self._group(
+                        [batch.requests[i] for i in sel],
+                        [starts[i] for i in sel],
+                        [batch.num_new_tokens[i] for i in sel],
+                        [rows[i] for i in sel],
+                    )
+                )
+        return AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         bs = self.block_size
@@ -104,20 +153,11 @@ class ModelRunner:
                 num_rows.append(k + 1)
 
         starts = [r.num_computed_tokens for r in batch.requests]
-        decode = [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
-        prefill = [i for i, n in enumerate(batch.num_new_tokens) if n > 1]
-        groups = []
-        for sel in (decode, prefill):
-            if sel:
-                groups.append(
-                    self._group(
-                        [batch.requests[i] for i in sel],
-                        [starts[i] for i in sel],
-                        [batch.num_new_tokens[i] for i in sel],
-                        [rows[i] for i in sel],
-                    )
-                )
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        if self.attention_backend == "cpp":
+            meta = self._flat_metadata(batch, starts, slot_mapping)
+        else:
+            meta = self._padded_metadata(batch, starts, rows, slot_mapping)
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from hasten.kernels import cpu_attention
 from hasten.model.config import ModelConfig
 
 
@@ -86,8 +87,60 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
+    """Where each new token goes in the cache and what it attends to.
+
+    Two layouts, one per attention backend: `groups` for the padded SDPA path, or the flat
+    (block_tables, query_start, context_lens) triple read by the C++ kernel in place.
+    """
+
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (kernel path)
+    query_start: torch.Tensor | None = None  # [S + 1] int64: q rows of sequence s are [s] .. [s + 1]
+    context_lens: torch.Tensor | None = None  # [S] int64: cached tokens of s, counting its new ones
+
+
+ATTENTION_BACKENDS = ("auto", "cpp", "sdpa")
+
+
+def resolve_attention_backend(name: str) -> str:
+    """"cpp" (the in-place C++ kernel) or "sdpa" (gather + scaled_dot_product_attention).
+
+    auto picks cpp when the kernel can be built on this machine; cpp insists on it.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "sdpa":
+        return "sdpa"
+    if cpu_attention.load() is not None:
+        return "cpp"
+    if name == "cpp":
+        raise RuntimeError(f"attention_backend='cpp' but the kernel cannot be built: {cpu_attention.load_error()}")
+    return "sdpa"
+
+
+def single_sequence_metadata(num_tokens: int, block_size: int, backend: str) -> AttentionMetadata:
+    """Metadata for one causal prefill of `num_tokens` tokens held in blocks 0, 1, 2, ..."""
+    nblocks = -(-num_tokens // block_size)
+    pos = torch.arange(num_tokens)
+    tables = torch.arange(nblocks).view(1, nblocks)
+    if backend == "cpp":
+        return AttentionMetadata(
+            slot_mapping=pos,
+            block_tables=tables.to(torch.int32),
+            query_start=torch.tensor([0, num_tokens]),
+            context_lens=torch.tensor([num_tokens]),
+        )
+    lk = nblocks * block_size
+    mask = torch.arange(lk).view(1, 1, 1, lk) <= pos.view(1, 1, num_tokens, 1)
+    group = AttentionGroup(
+        token_index=pos.view(1, num_tokens),
+        block_tables=tables,
+        mask=mask,
+        flat_valid_index=pos.clone(),
+        flat_token_index=pos.clone(),
+    )
+    return AttentionMetadata(slot_mapping=pos, groups=[group])
 
 
 def paged_attention(
@@ -104,6 +157,8 @@ def paged_attention(
     Query heads that share a KV head are folded into the query length, so GQA needs no
     repeated keys. Returns [T, H*D].
     """
+    if meta.block_tables is not None:
+        return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start, meta.context_lens, scale)
     t_total, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     out = q.new_empty(t_total, num_heads * head_dim)

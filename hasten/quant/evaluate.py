@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hasten.model.decoder import Decoder
-from hasten.model.layers import AttentionGroup, AttentionMetadata
+from hasten.model.layers import resolve_attention_backend, single_sequence_metadata
 
 _BLOCK = 16
 
@@ -24,17 +24,8 @@ def prefill_hidden(decoder: Decoder, ids: list[int]) -> torch.Tensor:
     nblocks = -(-t // _BLOCK)
     shape = (nblocks, _BLOCK, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=decoder.dtype), torch.zeros(shape, dtype=decoder.dtype)) for _ in range(cfg.num_layers)]
-    lk = nblocks * _BLOCK
+    meta = single_sequence_metadata(t, _BLOCK, resolve_attention_backend("auto"))
     pos = torch.arange(t)
-    mask = torch.arange(lk).view(1, 1, 1, lk) <= pos.view(1, 1, t, 1)
-    group = AttentionGroup(
-        token_index=pos.view(1, t),
-        block_tables=torch.arange(nblocks).view(1, nblocks),
-        mask=mask,
-        flat_valid_index=pos.clone(),
-        flat_token_index=pos.clone(),
-    )
-    meta = AttentionMetadata(slot_mapping=pos.clone(), groups=[group])
     return decoder.forward(torch.tensor(ids, dtype=torch.long), pos, meta, caches)
 
 

@@ -40,6 +40,7 @@ ENGINE_FLAGS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "speculative_adaptive": "speculative_adaptive",
     "quantization": "quantization",
+    "attention_backend": "attention_backend",
     "enable_prefix_caching": "enable_prefix_caching",
     "enable_chunked_prefill": "enable_chunked_prefill",
 }
@@ -68,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose the depth per step from acceptance rates (default on)")
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], help="weight-only quantization")
+    p.add_argument("--attention-backend", choices=["auto", "cpp", "sdpa"],
+                   help="cpp: C++ kernel reading the paged KV cache in place; sdpa: gather + SDPA (default auto)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",

@@ -1,0 +1,377 @@
+// Paged attention on the CPU: every new query token attends over its own sequence's keys and
+// values, read in place from the block pool (no gather into padded tensors, no mask tensors).
+//
+// Layout (all contiguous):
+//   q            [T, H, D]                 new tokens of all sequences, sequence after sequence
+//   k/v_cache    [num_blocks, BS, KVH, D]  the block pool of one layer (new tokens already written)
+//   block_tables [S, max_blocks] int32     cache blocks of each sequence
+//   query_start  [S + 1] int64             rows of q owned by sequence s: query_start[s] .. [s+1]
+//   context_lens [S] int64                 tokens in the cache for s, counting its new tokens
+// Query token i of a sequence with n new tokens and context c sits at position c - n + i and
+// sees keys 0 .. c - n + i (causal). Returns [T, H * D].
+//
+// Work is split into (sequence, tile of query tokens, kv head) items; the query heads that share
+// a kv head are processed together so each key/value row is loaded once per item. Threads take
+// items from a shared counter, so one long prefill cannot stall a thread full of short decodes.
+// Softmax is computed online, block by block (running max and sum), in float32 for any dtype.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 in plain arithmetic so loops that call it vectorize: 2^(x*log2 e) split into an
+// integer power (built in the float exponent bits) and a degree-6 polynomial on [0, 1)
+// (relative error < 1e-7).
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.4426950408889634f;
+  const float fi = __builtin_floorf(t);
+  const float f = t - fi;
+  float p = 2.187750486e-04f;
+  p = p * f + 1.238782145e-03f;
+  p = p * f + 9.684580455e-03f;
+  p = p * f + 5.548042632e-02f;
+  p = p * f + 2.402305020e-01f;
+  p = p * f + 6.931469287e-01f;
+  p = p * f + 1.000000003e+00f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One query row against `n` keys/values (rows `stride` floats apart): online-softmax update of
+// the row's running max `m`, sum `l` and output accumulator `acc`. `s` is scratch for n scores.
+inline void update_row_generic(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t D,
+                               float* s, float& m, float& l, float* acc) {
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = dot(q, k + j * stride, D);
+    mx = s[j] > mx ? s[j] : mx;
+  }
+  const float corr = exp_nonpositive(m - mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_nonpositive(s[j] - mx);
+    sum += s[j];
+  }
+  l = l * corr + sum;
+  m = mx;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = s[j];
+    const float* vrow = v + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += p * vrow[d];
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 a) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
+}
+
+// NR query rows (D floats apart) against n keys; scores go to s[r * s_stride + j].
+// NK keys per pass so each loaded key chunk feeds NR fused multiply-adds.
+template <int NR, int NK>
+inline void scores_avx2(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float* s,
+                        int64_t s_stride) {
+  int64_t j = 0;
+  for (; j + NK <= n; j += NK) {
+    __m256 a[NR][NK];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NK; ++c) a[r][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 kv[NK];
+      for (int c = 0; c < NK; ++c) kv[c] = _mm256_loadu_ps(k + (j + c) * stride + d);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+        for (int c = 0; c < NK; ++c) a[r][c] = _mm256_fmadd_ps(qv, kv[c], a[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      if constexpr (NK == 4) {
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+        _mm_storeu_ps(s + r * s_stride + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      } else {
+        for (int c = 0; c < NK; ++c) s[r * s_stride + j + c] = hsum(a[r][c]);
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    for (int r = 0; r < NR; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), _mm256_loadu_ps(k + j * stride + d), a);
+      s[r * s_stride + j] = hsum(a);
+    }
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v[j] for NR rows; each value chunk is loaded once.
+template <int NR>
+inline void accumulate_avx2(const float* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
+                            const float* corr, float* acc) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(corr[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 vv = _mm256_loadu_ps(v + j * stride + d);
+      for (int r = 0; r < NR; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * p_stride + j]), vv, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc + r * D + d, a[r]);
+  }
+}
+
+template <int NR>
+inline void update_rows_avx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t D,
+                             float* s, int64_t s_stride, float* m, float* l, float* acc) {
+  constexpr int NK = NR <= 2 ? 4 : 2;
+  scores_avx2<NR, NK>(q, k, stride, n, D, s, s_stride);
+  float corr[NR];
+  for (int r = 0; r < NR; ++r) {
+    float* sr = s + r * s_stride;
+    float mx = m[r];
+    for (int64_t j = 0; j < n; ++j) mx = sr[j] > mx ? sr[j] : mx;
+    corr[r] = exp_nonpositive(m[r] - mx);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      sr[j] = exp_nonpositive(sr[j] - mx);
+      sum += sr[j];
+    }
+    l[r] = l[r] * corr[r] + sum;
+    m[r] = mx;
+  }
+  accumulate_avx2<NR>(v, stride, n, D, s, s_stride, corr, acc);
+}
+#endif
+
+// `rows` query rows (D floats apart) that see the same `n` keys/values (rows `stride` floats
+// apart): online-softmax update of their running max m, sum l and output accumulators acc.
+inline void update_rows(const float* q, int64_t rows, const float* k, const float* v, int64_t stride, int64_t n,
+                        int64_t D, float* s, int64_t s_stride, float* m, float* l, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      float* sr = s + r0 * s_stride;
+      const float* qr = q + r0 * D;
+      float* ar = acc + r0 * D;
+      switch (nr) {
+        case 1: update_rows_avx2<1>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
+        case 2: update_rows_avx2<2>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
+        case 3: update_rows_avx2<3>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
+        default: update_rows_avx2<4>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    update_row_generic(q + r * D, k, v, stride, n, D, s + r * s_stride, m[r], l[r], acc + r * D);
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Ask for the next cache block while this one is being computed on (its rows are scattered in
+// memory, so the hardware prefetcher cannot guess them).
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* kp, const scalar_t* vp, int64_t base, int64_t bs, int64_t row, int64_t width) {
+  constexpr int64_t line = 64 / sizeof(scalar_t);
+  for (int64_t j = 0; j < bs; ++j) {
+    for (int64_t i = 0; i < width; i += line) {
+      __builtin_prefetch(kp + base + j * row + i);
+      __builtin_prefetch(vp + base + j * row + i);
+    }
+  }
+}
+
+// One work item: a tile of query tokens of one sequence, for a range of kv heads.
+struct Item {
+  int64_t seq, q_begin, q_end, head_begin, head_end;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l, k, v;
+  Scratch(int64_t rows, int64_t bs, int64_t width)  // width: floats of one key row over the item's heads
+      : q(rows * width), acc(rows * width), scores(rows * bs), m(rows), l(rows), k(bs * width), v(bs * width) {}
+};
+
+struct Shape {
+  int64_t H, KVH, G, D, BS, max_blocks;
+  float scale;
+};
+
+template <typename scalar_t>
+void attend_item(const Item& it, const scalar_t* qp, const scalar_t* kp, const scalar_t* vp, const int32_t* tables,
+                 const int64_t* qstart, const int64_t* ctx_lens, scalar_t* outp, const Shape& sh, Scratch& sc) {
+  const int64_t G = sh.G, D = sh.D, BS = sh.BS, H = sh.H;
+  const int64_t nh = it.head_end - it.head_begin;
+  const int64_t n_new = qstart[it.seq + 1] - qstart[it.seq];
+  const int64_t first_pos = ctx_lens[it.seq] - n_new;  // position of the sequence's first new token
+  const int64_t tokens = it.q_end - it.q_begin;
+  const int64_t token_rows = nh * G;  // rows per token: r = t * token_rows + (head - head_begin) * G + g
+  const int64_t rows = tokens * token_rows;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const scalar_t* src = qp + ((qstart[it.seq] + it.q_begin + t) * H + it.head_begin * G) * D;
+    float* dst = sc.q.data() + t * token_rows * D;
+    for (int64_t i = 0; i < token_rows * D; ++i) dst[i] = static_cast<float>(src[i]) * sh.scale;
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, -1e30f);
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+
+  const int64_t last_key = first_pos + it.q_end - 1;  // newest key any row of this item may see
+  const int64_t nblocks = last_key / BS + 1;
+  const int32_t* table = tables + it.seq * sh.max_blocks;
+  const int64_t cache_row = sh.KVH * D;  // floats between consecutive keys of a block
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t key0 = b * BS;
+    const int64_t in_block = std::min<int64_t>(BS, last_key + 1 - key0);
+    const int64_t base = (static_cast<int64_t>(table[b]) * BS * sh.KVH + it.head_begin) * D;
+    if (b + 1 < nblocks) prefetch_block(kp, vp, (static_cast<int64_t>(table[b + 1]) * BS * sh.KVH + it.head_begin) * D,
+                                        BS, cache_row, nh * D);
+    const float* krows;
+    const float* vrows;
+    int64_t stride;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      krows = kp + base;
+      vrows = vp + base;
+      stride = cache_row;
+    } else {
+      for (int64_t j = 0; j < in_block; ++j) {
+        to_float(kp + base + j * cache_row, sc.k.data() + j * nh * D, nh * D);
+        to_float(vp + base + j * cache_row, sc.v.data() + j * nh * D, nh * D);
+      }
+      krows = sc.k.data();
+      vrows = sc.v.data();
+      stride = nh * D;
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+      // keys this token may see inside the block (causal limit)
+      const int64_t visible = std::min<int64_t>(in_block, first_pos + it.q_begin + t - key0 + 1);
+      if (visible <= 0) continue;
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t r = t * token_rows + h * G;
+        update_rows(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
+                    sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D);
+      }
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    scalar_t* dst = outp + ((qstart[it.seq] + it.q_begin + t) * H + it.head_begin * G) * D;
+    for (int64_t r = 0; r < token_rows; ++r) {
+      const float inv = 1.0f / sc.l[t * token_rows + r];
+      const float* acc = sc.acc.data() + (t * token_rows + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<scalar_t>(acc[d] * inv);
+    }
+  }
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+         const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, at::Tensor& out) {
+  Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
+           static_cast<float>(scale)};
+  const int64_t S = ctx_lens.size(0);
+  const int64_t* qs = qstart.data_ptr<int64_t>();
+  const int64_t threads = at::get_num_threads();
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < S; ++s) tiles += (qs[s + 1] - qs[s] + q_tile - 1) / q_tile;
+  // All kv heads in one item read each cache block as one contiguous run; split heads only when
+  // there are too few tiles to keep every thread busy.
+  const int64_t heads_per_item = tiles >= 4 * threads ? sh.KVH : 1;
+  std::vector<Item> items;
+  items.reserve(tiles * (sh.KVH / heads_per_item + 1));
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qs[s + 1] - qs[s];
+    for (int64_t t0 = 0; t0 < n; t0 += q_tile)
+      for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
+        items.push_back({s, t0, std::min(n, t0 + q_tile), h, std::min(sh.KVH, h + heads_per_item)});
+  }
+  const int64_t total = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min(threads, total));
+  const int64_t rows = q_tile * heads_per_item * sh.G;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(rows, sh.BS, heads_per_item * sh.D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+        attend_item<scalar_t>(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), qs,
+                              ctx_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), sh, scratch);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, double scale, int64_t q_tile) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32 [S, max_blocks]");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "query_start and context_lens must be int64");
+  TORCH_CHECK(q_tile >= 1, "q_tile must be >= 1");
+  const int64_t S = context_lens.size(0);
+  TORCH_CHECK(query_start.numel() == S + 1 && block_tables.size(0) == S, "one row per sequence expected");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  const int64_t BS = k_cache.size(1), NB = k_cache.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(qs[0] == 0 && qs[S] == q.size(0), "query_start must run from 0 to T");
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = qs[s + 1] - qs[s];
+    TORCH_CHECK(n >= 0 && cl[s] >= n, "sequence ", s, ": context shorter than its new tokens");
+    const int64_t used = (cl[s] + BS - 1) / BS;
+    TORCH_CHECK(used <= max_blocks, "sequence ", s, ": context needs more blocks than its table has");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(tp[s * max_blocks + b] >= 0 && tp[s * max_blocks + b] < NB, "block id out of range");
+  }
+  auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    run<scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over a block pool (CPU)");
+}

@@ -1,0 +1,113 @@
+"""The C++ paged-attention kernel against a plain PyTorch reference on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hasten.kernels import cpu_attention
+from hasten.model import layers
+
+pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="C++ kernel cannot be built here")
+
+
+def reference(q, k_cache, v_cache, tables, query_start, context_lens, scale):
+    """Per sequence: gather its keys/values, repeat kv heads, causal softmax attention in float64."""
+    t, h, d = q.shape
+    kvh, bs = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(t, h * d, dtype=torch.float64)
+    for s in range(len(context_lens)):
+        a, b, c = int(query_start[s]), int(query_start[s + 1]), int(context_lens[s])
+        n = b - a
+        if n == 0:
+            continue
+        blocks = tables[s, : -(-c // bs)].long()
+        k = k_cache[blocks].reshape(-1, kvh, d)[:c].double().repeat_interleave(h // kvh, 1)
+        v = v_cache[blocks].reshape(-1, kvh, d)[:c].double().repeat_interleave(h // kvh, 1)
+        scores = torch.einsum("thd,khd->htk", q[a:b].double(), k) * scale
+        pos = torch.arange(c - n, c).view(1, n, 1)
+        scores = scores.masked_fill(torch.arange(c).view(1, 1, c) > pos, float("-inf"))
+        out[a:b] = torch.einsum("htk,khd->thd", scores.softmax(-1), v).reshape(n, h * d)
+    return out
+
+
+def make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, dtype):
+    width = max(-(-c // block_size) for c in ctx)
+    num_blocks = len(ctx) * width + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(ctx) * width].view(len(ctx), width).to(torch.int32)
+    query_start = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.long)
+    q = (torch.randn(int(query_start[-1]), heads, head_dim, generator=gen) * 2).to(dtype)
+    return q, k_cache, v_cache, tables, query_start, torch.tensor(ctx, dtype=torch.long)
+
+
+CASES = [
+    # ctx, new tokens per sequence, heads, kv heads, head_dim, block size
+    ([1], [1], 9, 3, 64, 16),  # first token of a sequence
+    ([37, 100, 16, 17, 250], [1, 1, 1, 1, 1], 9, 3, 64, 16),  # a decode batch
+    ([100, 64, 9, 300], [100, 3, 9, 40], 9, 3, 64, 16),  # whole prefill, spec verify, chunked prefill
+    ([130], [130], 4, 4, 16, 8),  # MHA, small head_dim (tiny test models)
+    ([77, 5], [20, 5], 8, 1, 32, 16),  # MQA
+    ([45, 90], [2, 33], 28, 4, 128, 16),  # 7 query heads per kv head
+    ([33, 70], [33, 1], 6, 2, 20, 16),  # head_dim not a multiple of 8: portable path
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference(case, dtype, threads):
+    ctx, new, heads, kv_heads, head_dim, block_size = case
+    gen = torch.Generator().manual_seed(hash((tuple(ctx), heads, head_dim)) % 2**31)
+    inputs = make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_attention.paged_attention(*inputs, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == dtype and got.shape == (sum(new), heads * head_dim)
+    want = reference(*inputs, scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert (got.double() - want).abs().max().item() < tol
+
+
+def test_kernel_matches_sdpa_path():
+    """Both attention backends of hasten.model.layers agree on the same metadata."""
+    gen = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache, _, _, _ = make_inputs(gen, [48], [48], 9, 3, 64, 16, torch.float32)
+    for backend in ("cpp", "sdpa"):
+        meta = layers.single_sequence_metadata(48, 16, backend)
+        out = layers.paged_attention(q, k_cache, v_cache, meta, 3, 0.125)
+        if backend == "cpp":
+            first = out
+    assert torch.allclose(first, out, atol=1e-5)
+
+
+def test_kernel_rejects_bad_metadata():
+    gen = torch.Generator().manual_seed(1)
+    q, k_cache, v_cache, tables, query_start, ctx = make_inputs(gen, [40], [4], 9, 3, 64, 16, torch.float32)
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_attention.paged_attention(q, k_cache, v_cache, bad, query_start, ctx, 0.1)
+    with pytest.raises(RuntimeError, match="more blocks"):
+        cpu_attention.paged_attention(q, k_cache, v_cache, tables, query_start, ctx + 100, 0.1)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_attention.paged_attention(q, k_cache, v_cache, tables.long(), query_start, ctx, 0.1)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        cpu_attention.paged_attention(q[:, :8].contiguous(), k_cache, v_cache, tables, query_start, ctx, 0.1)
+
+
+def test_backend_resolution(monkeypatch):
+    assert layers.resolve_attention_backend("auto") == "cpp"
+    assert layers.resolve_attention_backend("sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="attention_backend"):
+        layers.resolve_attention_backend("flash")
+    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpu_attention, "_error", "RuntimeError: no compiler")
+    assert layers.resolve_attention_backend("auto") == "sdpa"
+    with pytest.raises(RuntimeError, match="no compiler"):
+        layers.resolve_attention_backend("cpp")
