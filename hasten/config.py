@@ -37,6 +37,7 @@ class EngineConfig:
     quant_symmetric: bool = False  # int4: symmetric (zero point 8) or asymmetric (per-group min)
     quantize_lm_head: bool = True  # False keeps lm_head in the engine dtype
     quant_cache_dir: str | None = None  # where quantized weights are saved; None = <hasten cache>/quant
+    quant_int4_kernel: str = "auto"  # auto | hasten (C++ AVX2, float32 activations) | torch (aten, bf16 activations)
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
     cpu_linear_backend: str = "auto"  # auto | onednn (pre-packed float32 weights) | torch (F.linear)

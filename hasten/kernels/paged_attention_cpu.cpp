@@ -24,6 +24,10 @@
 #include <cstring>
 #include <vector>
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -202,6 +206,8 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 
 // Ask for the next cache block while this one is being computed on (its rows are scattered in
 // memory, so the hardware prefetcher cannot guess them).
+constexpr int64_t kPrefetchAhead = PREFETCH_AHEAD;
+
 template <typename scalar_t>
 inline void prefetch_block(const scalar_t* kp, const scalar_t* vp, int64_t base, int64_t bs, int64_t row, int64_t width) {
   constexpr int64_t line = 64 / sizeof(scalar_t);
@@ -256,8 +262,12 @@ void attend_item(const Item& it, const scalar_t* qp, const scalar_t* kp, const s
     const int64_t key0 = b * BS;
     const int64_t in_block = std::min<int64_t>(BS, last_key + 1 - key0);
     const int64_t base = (static_cast<int64_t>(table[b]) * BS * sh.KVH + it.head_begin) * D;
-    if (b + 1 < nblocks) prefetch_block(kp, vp, (static_cast<int64_t>(table[b + 1]) * BS * sh.KVH + it.head_begin) * D,
-                                        BS, cache_row, nh * D);
+    if (b == 0)  // warm-up: the first blocks ahead
+      for (int64_t a = 1; a < kPrefetchAhead && a < nblocks; ++a)
+        prefetch_block(kp, vp, (static_cast<int64_t>(table[a]) * BS * sh.KVH + it.head_begin) * D, BS, cache_row, nh * D);
+    if (b + kPrefetchAhead < nblocks)
+      prefetch_block(kp, vp, (static_cast<int64_t>(table[b + kPrefetchAhead]) * BS * sh.KVH + it.head_begin) * D, BS,
+                     cache_row, nh * D);
     const float* krows;
     const float* vrows;
     int64_t stride;

@@ -105,7 +105,9 @@ _PARTS = {
 class GGUFLinearFactory:
     """LinearFactory serving each projection from the GGUF's own blocks where they are native."""
 
-    def __init__(self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True):
+    def __init__(
+        self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto"
+    ):
         from gguf import GGUFReader
 
         from hasten.model.loader import gguf_to_hf_config
@@ -117,6 +119,7 @@ class GGUFLinearFactory:
         self.arch = cfg["model_type"]
         self.heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
         self.max_kernel_rows = max_kernel_rows
+        self.int4_kernel = int4_kernel
         self.quantize_lm_head = quantize_lm_head
         self.report: dict[str, str] = {}  # layer name -> how it was served
 
@@ -162,7 +165,7 @@ class GGUFLinearFactory:
         if tuple(qw.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: GGUF blocks give {qw.shape}, the model expects {tuple(weight.shape)}")
         qw.bias = bias
-        return make_layer(qw, self.max_kernel_rows)
+        return make_layer(qw, self.max_kernel_rows, self.int4_kernel)
 
 
 def gguf_source(folder: Path) -> Path:

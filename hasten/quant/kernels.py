@@ -133,6 +133,73 @@ class Int8Linear(QuantLinear):
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
+INT4_KERNELS = ("auto", "hasten", "hasten-q8", "torch")
+INT4_AUTO = "hasten"  # exact; hasten-q8 is faster but adds ~1.5% perplexity (docs/quantization.md)
+
+
+def resolve_int4_kernel(name: str, group_size: int) -> str:
+    """Which int4 matmul runs:
+    "hasten"    our C++ kernel, float32 activations (exact against the dequantized weight);
+    "hasten-q8" the same with activations rounded to int8 per 32 values (llama.cpp's scheme);
+    "torch"     aten._weight_int4pack_mm_for_cpu with bfloat16 activations.
+    auto picks INT4_AUTO when our kernel builds here, else torch."""
+    if name not in INT4_KERNELS:
+        raise ValueError(f"int4 kernel must be one of {INT4_KERNELS}, got {name!r}")
+    if name == "torch":
+        return "torch"
+    from hasten.kernels import int4_linear
+
+    usable = group_size % 32 == 0 and int4_linear.load() is not None
+    if name != "auto" and not usable:
+        raise RuntimeError(f"the hasten int4 kernel cannot run here: {int4_linear.load_error() or 'group size'}")
+    if not usable:
+        return "torch"
+    return INT4_AUTO if name == "auto" else name
+
+
+class Int4HastenLinear(QuantLinear):
+    """int4 groups through hasten's C++ kernel (hasten/kernels/int4_linear_cpu.cpp): codes kept in
+    the Int4Weight layout, scale and min per group as float16, float32 activations throughout."""
+
+    kind = "int4"
+
+    def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32, int8_activations: bool = False):
+        n, k = qw.shape
+        super().__init__(n, k, qw.bias, qw.input_scale, max_kernel_rows)
+        from hasten.kernels.int4_linear import int4_linear, int4_linear_q8
+
+        self.int8_activations = int8_activations
+        self._op = int4_linear_q8 if int8_activations else int4_linear
+        self.group_size = qw.group_size
+        self.codes = qw.qweight.contiguous()
+        self.scales = qw.scales.to(torch.float16).contiguous()
+        self.mins = qw.mins.to(torch.float16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inv_input_scale is not None:
+            x = x * self.inv_input_scale.to(x.dtype)
+        if x.shape[0] <= self.max_kernel_rows:
+            self.calls["kernel"] += 1
+            y = self._op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
+        else:
+            self.calls["dequant"] += 1
+            y = F.linear(x.float(), self.dequantize_codes()).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def dequantize_codes(self) -> torch.Tensor:
+        g = self.group_size
+        q = torch.stack((self.codes & 0x0F, self.codes >> 4), dim=-1).view(self.n, self.k // g, g).float()
+        return (q * self.scales.float()[..., None] + self.mins.float()[..., None]).view(self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        total = self.codes.numel() + (self.scales.numel() + self.mins.numel()) * 2
+        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
+        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
 class Int4Linear(QuantLinear):
     kind = "int4"
 
@@ -185,7 +252,10 @@ class Int4Linear(QuantLinear):
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
-def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32) -> QuantLinear:
+def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto") -> QuantLinear:
     if isinstance(qw, Int8Weight):
         return Int8Linear(qw, max_kernel_rows)
+    kernel = resolve_int4_kernel(int4_kernel, qw.group_size)
+    if kernel.startswith("hasten"):
+        return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8")
     return Int4Linear(qw, max_kernel_rows)

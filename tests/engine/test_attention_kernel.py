@@ -106,8 +106,8 @@ def test_backend_resolution(monkeypatch):
     assert layers.resolve_attention_backend("sdpa") == "sdpa"
     with pytest.raises(ValueError, match="attention_backend"):
         layers.resolve_attention_backend("flash")
-    monkeypatch.setattr(cpu_attention, "_module", None)
-    monkeypatch.setattr(cpu_attention, "_error", "RuntimeError: no compiler")
+    monkeypatch.setattr(cpu_attention._ext, "module", None)
+    monkeypatch.setattr(cpu_attention._ext, "error", "RuntimeError: no compiler")
     assert layers.resolve_attention_backend("auto") == "sdpa"
     with pytest.raises(RuntimeError, match="no compiler"):
         layers.resolve_attention_backend("cpp")

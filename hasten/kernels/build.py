@@ -1,0 +1,51 @@
+"""Compile-on-first-use for the C++ kernels in this folder (torch.utils.cpp_extension, cached).
+
+The first build takes about a minute; torch keeps the result in its extension folder, so later
+processes load it in well under a second. If no compiler is available, `load` returns None and
+the caller falls back to a PyTorch path; `error` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+
+class Extension:
+    def __init__(self, name: str, source: str):
+        self.name = name
+        self.source = Path(__file__).with_name(source)
+        self.module: ModuleType | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> ModuleType | None:
+        if self.module is not None or self.error is not None:
+            return self.module
+        with self._lock:
+            if self.module is None and self.error is None:
+                try:
+                    self.module = self._build()
+                except Exception as exc:  # no compiler, no headers, ...: the caller falls back
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    log.warning("C++ kernel %s unavailable: %s", self.name, self.error.splitlines()[0])
+        return self.module
+
+    def _build(self) -> ModuleType:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-fopenmp", "-std=c++17"]
+        if os.environ.get("HASTEN_NATIVE_ARCH", "1") != "0":
+            flags.append("-march=native")
+        return cpp_extension.load(
+            name=self.name,
+            sources=[str(self.source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )

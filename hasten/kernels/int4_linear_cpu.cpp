@@ -1,0 +1,320 @@
+// Weight-only int4 linear on the CPU: y = x W^T with float32 activations and 4-bit weights.
+//
+// Weight layout (hasten.quant.formats.Int4Weight, also GGUF Q4_0/Q4_1 after conversion):
+//   codes  uint8 [N, K / 2]   value k of row n in nibble k % 2 (low nibble first) of byte k / 2
+//   scales half  [N, K / g]   w[n, k] = codes[n, k] * scale[n, k / g] + min[n, k / g]
+//   mins   half  [N, K / g]
+// so  y[m, n] = sum_g scale[n, g] * (x[m, group g] . codes[n, group g]) + min[n, g] * sum(x[m, group g]).
+//
+// Each 16-byte run of codes holds 32 consecutive k; its low nibbles are the even k and its high
+// nibbles the odd k. Rather than shuffling the weights, x is permuted once per call into the same
+// order (evens then odds for every 32 k), so the unpacked nibbles line up with x directly.
+// Rows of W are split across threads; up to 4 rows of x share every unpacked weight vector.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 32;  // k values per 16 bytes of codes
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// x [M, K] -> xp [M, K] with every 32-run reordered to (even k, odd k); xs [M, G] group sums.
+void prepare_x(const float* x, int64_t M, int64_t K, int64_t group, float* xp, float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float* pr = xp + m * K;
+    for (int64_t c = 0; c < K; c += kChunk) {
+      for (int64_t i = 0; i < kChunk / 2; ++i) {
+        pr[c + i] = xr[c + 2 * i];
+        pr[c + kChunk / 2 + i] = xr[c + 2 * i + 1];
+      }
+    }
+    for (int64_t g = 0; g < K / group; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < group; ++i) s += xr[g * group + i];
+      xs[m * (K / group) + g] = s;
+    }
+  }
+}
+
+// Portable path: one output value.
+float dot_row_generic(const float* xp, const float* xs, const uint8_t* codes, const at::Half* scales,
+                      const at::Half* mins, int64_t K, int64_t group) {
+  float total = 0.0f;
+  for (int64_t g = 0; g < K / group; ++g) {
+    float acc = 0.0f;
+    for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+      const uint8_t* b = codes + c / 2;
+      const float* xc = xp + c;
+      for (int64_t i = 0; i < kChunk / 2; ++i) {
+        acc += xc[i] * static_cast<float>(b[i] & 0x0F);
+        acc += xc[kChunk / 2 + i] * static_cast<float>(b[i] >> 4);
+      }
+    }
+    total += acc * half_to_float(scales[g]) + half_to_float(mins[g]) * xs[g];
+  }
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 a) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
+}
+
+// MR rows of x against one weight row n: out[r * ldo] = y[r, n]. NA independent accumulators per
+// row keep the fused multiply-adds from waiting on each other (their latency, not the arithmetic,
+// would otherwise set the pace).
+template <int MR>
+inline void dot_rows_avx2(const float* xp, int64_t K, const float* xs, int64_t G, const uint8_t* codes,
+                          const at::Half* scales, const at::Half* mins, int64_t group, float* out, int64_t ldo) {
+  constexpr int NA = MR <= 2 ? 4 : 2;
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  __m256 total[MR];
+  for (int r = 0; r < MR; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[MR][NA];
+    for (int r = 0; r < MR; ++r)
+      for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c / 2));
+      const __m128i lo = _mm_and_si128(bytes, nib);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+      const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+      for (int r = 0; r < MR; ++r) {
+        const float* xc = xp + r * K + c;
+        for (int j = 0; j < 4; ++j) acc[r][j % NA] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xc + 8 * j), acc[r][j % NA]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(half_to_float(scales[g]));
+    for (int r = 0; r < MR; ++r) {
+      __m256 sum = acc[r][0];
+      for (int a = 1; a < NA; ++a) sum = _mm256_add_ps(sum, acc[r][a]);
+      total[r] = _mm256_fmadd_ps(sum, s, total[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float mterm = 0.0f;
+    for (int64_t g = 0; g < G; ++g) mterm += half_to_float(mins[g]) * xs[r * G + g];
+    out[r * ldo] = hsum(total[r]) + mterm;
+  }
+}
+#endif
+
+
+// ---- int8-activation variant (as llama.cpp's Q4 x Q8 dot products) --------------------------
+// x is quantized per 32 k to int8 with its own scale d (round to nearest, |q| <= 127), in the same
+// even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
+// exact float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
+// instructions per weight than the float path.
+void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
+  const int64_t C = K / kChunk;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    for (int64_t c = 0; c < C; ++c) {
+      const float* xc = xr + c * kChunk;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
+      const float d = amax / 127.0f;
+      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = xq + m * K + c * kChunk;
+      for (int64_t i = 0; i < kChunk / 2; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(xc[2 * i] * inv));
+        q[kChunk / 2 + i] = static_cast<int8_t>(std::nearbyint(xc[2 * i + 1] * inv));
+      }
+      xd[m * C + c] = d;
+    }
+    for (int64_t g = 0; g < K / group; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < group; ++i) s += xr[g * group + i];
+      xs[m * (K / group) + g] = s;
+    }
+  }
+}
+
+float dot_row_q8_generic(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes,
+                         const at::Half* scales, const at::Half* mins, int64_t K, int64_t group) {
+  float total = 0.0f;
+  for (int64_t c = 0; c < K / kChunk; ++c) {
+    const uint8_t* b = codes + c * kChunk / 2;
+    const int8_t* q = xq + c * kChunk;
+    int32_t acc = 0;
+    for (int64_t i = 0; i < kChunk / 2; ++i) acc += (b[i] & 0x0F) * q[i] + (b[i] >> 4) * q[kChunk / 2 + i];
+    total += static_cast<float>(acc) * xd[c] * half_to_float(scales[c * kChunk / group]);
+  }
+  for (int64_t g = 0; g < K / group; ++g) total += half_to_float(mins[g]) * xs[g];
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// One 32-run of codes (chunk c) times MR rows of int8 x, scaled, added to acc[r].
+template <int MR>
+inline void q8_chunk(const uint8_t* codes, const int8_t* xq, const float* xd, int64_t K, int64_t C, int64_t c,
+                     float scale, __m256* acc, int stride) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * kChunk / 2));
+  const __m128i lo = _mm_and_si128(bytes, nib);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+  const __m256i w = _mm256_set_m128i(hi, lo);  // 32 codes: even k, then odd k
+  for (int r = 0; r < MR; ++r) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c * kChunk));
+    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
+    acc[r * stride] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(scale * xd[r * C + c]), acc[r * stride]);
+  }
+}
+
+// Two accumulators per row, fed by alternating chunks, so consecutive fused multiply-adds do not
+// wait on each other (their latency, not the arithmetic, would otherwise set the pace).
+template <int MR>
+inline void dot_rows_q8_avx2(const int8_t* xq, const float* xd, int64_t K, const float* xs, int64_t G,
+                             const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t group,
+                             float* out, int64_t ldo) {
+  const int64_t C = K / kChunk, per_group = group / kChunk;
+  __m256 even[MR], odd[MR];
+  for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  int64_t g = 0, left = per_group;
+  float sg = half_to_float(scales[0]);
+  auto next_scale = [&]() {
+    const float s = sg;
+    if (--left == 0 && ++g < G) {
+      left = per_group;
+      sg = half_to_float(scales[g]);
+    }
+    return s;
+  };
+  int64_t c = 0;
+  for (; c + 1 < C; c += 2) {
+    const float s0 = next_scale();
+    const float s1 = next_scale();
+    q8_chunk<MR>(codes, xq, xd, K, C, c, s0, even, 1);
+    q8_chunk<MR>(codes, xq, xd, K, C, c + 1, s1, odd, 1);
+  }
+  if (c < C) q8_chunk<MR>(codes, xq, xd, K, C, c, next_scale(), even, 1);
+  for (int r = 0; r < MR; ++r) {
+    float mterm = 0.0f;
+    for (int64_t i = 0; i < G; ++i) mterm += half_to_float(mins[i]) * xs[r * G + i];
+    out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + mterm;
+  }
+}
+#endif
+
+}  // namespace
+
+void check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) * 2 == K, "codes hold ", codes.size(1) * 2, " values per row, x has K = ", K);
+  TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / group,
+                "scales and mins must be contiguous float16 [N, K / group]");
+}
+
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& mins, int64_t group) {
+  check_args(x, codes, scales, mins, group);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group, C = K / kChunk;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto xd = at::empty({M, C}, x.options());
+  auto xs = at::empty({M, G}, x.options());
+  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* xdp = xd.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* cr = cp + n * (K / 2);
+      const at::Half* sr = sp + n * G;
+      const at::Half* mr = mp + n * G;
+      int64_t m = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; m + 4 <= M; m += 4)
+        dot_rows_q8_avx2<4>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N);
+      switch (M - m) {
+        case 3: dot_rows_q8_avx2<3>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
+        case 2: dot_rows_q8_avx2<2>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
+        case 1: dot_rows_q8_avx2<1>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
+        default: break;
+      }
+      m = M;
+#endif
+      for (; m < M; ++m)
+        yp[m * N + n] = dot_row_q8_generic(xqp + m * K, xdp + m * C, xsp + m * G, cr, sr, mr, K, group);
+    }
+  });
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       int64_t group) {
+  check_args(x, codes, scales, mins, group);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xp = at::empty({M, K}, x.options());
+  auto xs = at::empty({M, G}, x.options());
+  prepare_x(x.data_ptr<float>(), M, K, group, xp.data_ptr<float>(), xs.data_ptr<float>());
+  const float* xpp = xp.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  // grain: enough rows per task that the parallel region's overhead stays small
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* cr = cp + n * (K / 2);
+      const at::Half* sr = sp + n * G;
+      const at::Half* mr = mp + n * G;
+      int64_t m = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; m + 4 <= M; m += 4) dot_rows_avx2<4>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N);
+      switch (M - m) {
+        case 3: dot_rows_avx2<3>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
+        case 2: dot_rows_avx2<2>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
+        case 1: dot_rows_avx2<1>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
+        default: break;
+      }
+      m = M;
+#endif
+      for (; m < M; ++m) yp[m * N + n] = dot_row_generic(xpp + m * K, xsp + m * G, cr, sr, mr, K, group);
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
+  m.def("int4_linear_q8", &int4_linear_q8, "as int4_linear, with x quantized to int8 per 32 values");
+}

@@ -1,0 +1,96 @@
+"""hasten's C++ int4 linear against a float64 reference on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hasten.kernels import int4_linear
+from hasten.quant.formats import Int4Weight, pack_nibbles
+from hasten.quant.kernels import Int4HastenLinear, make_layer, resolve_int4_kernel
+
+pytestmark = pytest.mark.skipif(int4_linear.load() is None, reason="C++ int4 kernel cannot be built here")
+
+
+def random_weight(gen, n, k, group):
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).half()
+    mins = (torch.randn(n, k // group, generator=gen) * 0.3).half()
+    return codes, scales, mins
+
+
+def reference(x, codes, scales, mins, group):
+    n, k = codes.shape
+    w = codes.double().view(n, k // group, group) * scales.double()[..., None] + mins.double()[..., None]
+    return x.double() @ w.view(n, k).t()
+
+
+def q8_reference(x, codes, scales, mins, group):
+    """Exact result of the int8-activation scheme: x rounded per 32 values, min term from float sums."""
+    m, k = x.shape
+    runs = x.double().view(m, k // 32, 32)
+    d = runs.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(d > 0, torch.round(runs / d.clamp_min(1e-300)), 0) * d
+    n = codes.shape[0]
+    w_codes = codes.double().view(n, k // group, group) * scales.double()[..., None]
+    main = xq.view(m, k) @ w_codes.view(n, k).t()
+    sums = x.double().view(m, k // group, group).sum(-1)
+    return main + sums @ mins.double().t()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11])
+@pytest.mark.parametrize("n,k,group", [(33, 64, 32), (100, 576, 32), (64, 1536, 64), (7, 256, 128), (5, 96, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", ["float", "q8"])
+def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
+    codes, scales, mins = random_weight(gen, n, k, group)
+    x = torch.randn(m, k, generator=gen)
+    op = int4_linear.int4_linear if variant == "float" else int4_linear.int4_linear_q8
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = op(x, pack_nibbles(codes), scales, mins, group)
+    finally:
+        torch.set_num_threads(before)
+    want = (reference if variant == "float" else q8_reference)(x, codes, scales, mins, group)
+    err = (y.double() - want).abs().max().item() / want.abs().max().item()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert err < 1e-5
+    if variant == "q8":  # and it stays close to the float result
+        exact = reference(x, codes, scales, mins, group)
+        assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
+
+
+def test_int4_kernel_rejects_bad_shapes():
+    gen = torch.Generator().manual_seed(0)
+    codes, scales, mins = random_weight(gen, 8, 64, 32)
+    packed = pack_nibbles(codes)
+    with pytest.raises(RuntimeError, match="float32"):
+        int4_linear.int4_linear(torch.randn(2, 64).double(), packed, scales, mins, 32)
+    with pytest.raises(RuntimeError, match="values per row"):
+        int4_linear.int4_linear(torch.randn(2, 96), packed, scales, mins, 32)
+    with pytest.raises(RuntimeError, match="group size"):
+        int4_linear.int4_linear(torch.randn(2, 64), packed, scales, mins, 16)
+    with pytest.raises(RuntimeError, match="float16"):
+        int4_linear.int4_linear(torch.randn(2, 64), packed, scales.float(), mins, 32)
+
+
+def test_layer_uses_kernel_and_matches_its_dequantized_weight():
+    """The layer (AWQ input scale, bias, both row-count paths) equals x @ dequantize()^T."""
+    gen = torch.Generator().manual_seed(3)
+    codes, scales, mins = random_weight(gen, 48, 128, 32)
+    qw = Int4Weight(pack_nibbles(codes), scales.float(), mins.float(), 32, bias=torch.randn(48, generator=gen),
+                    input_scale=torch.rand(128, generator=gen) + 0.5)
+    layer = make_layer(qw, max_kernel_rows=4, int4_kernel="hasten")
+    assert isinstance(layer, Int4HastenLinear) and not layer.int8_activations
+    for rows in (1, 4, 9):  # 9 > max_kernel_rows: dequantize + GEMM
+        x = torch.randn(rows, 128, generator=gen)
+        want = x.double() @ layer.dequantize().double().t() + qw.bias.double()
+        assert torch.allclose(layer(x).double(), want, atol=1e-4, rtol=1e-5)
+    assert layer.calls == {"kernel": 2, "dequant": 1}
+    assert resolve_int4_kernel("torch", 32) == "torch"
+    assert resolve_int4_kernel("auto", 32) in ("hasten", "hasten-q8")
+    assert make_layer(qw, int4_kernel="hasten-q8").int8_activations
+    with pytest.raises(ValueError):
+        resolve_int4_kernel("fast", 32)
