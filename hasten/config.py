@@ -39,6 +39,7 @@ class EngineConfig:
     quant_cache_dir: str | None = None  # where quantized weights are saved; None = <hasten cache>/quant
     quant_int4_kernel: str = "auto"  # auto | hasten (C++ AVX2, float32 activations) | torch (aten, bf16 activations)
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
+    fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)
     attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
     cpu_linear_backend: str = "auto"  # auto | onednn (pre-packed float32 weights) | torch (F.linear)
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default

@@ -67,7 +67,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
         state = load_state_dict(folder)
-        self.model = Decoder(cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder))
+        self.model = Decoder(
+            cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder), fused_ops=config.fused_decoder_ops
+        )
         del state
         bs = config.block_size
         if config.num_kv_blocks:

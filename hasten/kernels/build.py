@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 
 class Extension:
-    def __init__(self, name: str, source: str):
+    def __init__(self, name: str, source: str, extra_cflags: tuple[str, ...] = ()):
         self.name = name
+        self.extra_cflags = list(extra_cflags)
         self.source = Path(__file__).with_name(source)
         self.module: ModuleType | None = None
         self.error: str | None = None
@@ -39,7 +40,7 @@ class Extension:
     def _build(self) -> ModuleType:
         from torch.utils import cpp_extension
 
-        flags = ["-O3", "-fopenmp", "-std=c++17"]
+        flags = ["-O3", "-fopenmp", *self.extra_cflags]
         if os.environ.get("HASTEN_NATIVE_ARCH", "1") != "0":
             flags.append("-march=native")
         return cpp_extension.load(

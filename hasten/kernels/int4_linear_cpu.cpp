@@ -172,11 +172,9 @@ float dot_row_q8_generic(const int8_t* xq, const float* xd, const float* xs, con
 template <int MR>
 inline void q8_chunk(const uint8_t* codes, const int8_t* xq, const float* xd, int64_t K, int64_t C, int64_t c,
                      float scale, __m256* acc, int stride) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * kChunk / 2));
-  const __m128i lo = _mm_and_si128(bytes, nib);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
-  const __m256i w = _mm256_set_m128i(hi, lo);  // 32 codes: even k, then odd k
+  // 32 codes: even k (low nibbles), then odd k (high nibbles)
+  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
   for (int r = 0; r < MR; ++r) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c * kChunk));
     const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));

@@ -38,10 +38,20 @@ class Decoder:
         max_len: int,
         linear_factory: LinearFactory | None = None,
         quantize_lm_head: bool = True,
+        fused_ops: bool = True,
     ):
-        """Build from a HF-named state dict; `linear_factory` decides how each projection is stored."""
+        """Build from a HF-named state dict; `linear_factory` decides how each projection is stored.
+
+        fused_ops: run the glue between matmuls (norms, RoPE + cache write, SiLU-mul, residual adds)
+        as hasten's C++ ops (hasten/kernels/decoder_ops_cpu.cpp) when they build; else PyTorch ops.
+        """
         self.cfg = cfg
         self.dtype = dtype
+        self.ops = None
+        if fused_ops:
+            from hasten.kernels import decoder_ops
+
+            self.ops = decoder_ops.load()
         make = linear_factory or dense_factory
 
         def take(name: str) -> torch.Tensor:
@@ -93,6 +103,8 @@ class Decoder:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-norm hidden states [T, hidden]."""
+        if self.ops is not None:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
         t = input_ids.shape[0]
         cos, sin = self.rope.lookup(positions)
@@ -120,5 +132,39 @@ class Decoder:
             h = h + self._mlp(lw, x)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """forward() with the glue in C++: per layer 4 matmuls, attention and 4 small fused calls."""
+        cfg, ops = self.cfg, self.ops
+        eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qd, kd = heads * d, kv_heads * d
+        slots = meta.slot_mapping
+        h = self.embed[input_ids]  # the residual stream, updated in place by add_rms_norm
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
+        for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            qkv = _contiguous(lw.qkv_proj(x))
+            if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+                t = qkv.shape[0]
+                q = ops.rms_norm(qkv[:, :qd].reshape(-1, d), lw.q_norm, eps).view(t, qd)
+                k = ops.rms_norm(qkv[:, qd : qd + kd].reshape(-1, d), lw.k_norm, eps).view(t, kd)
+                qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
+            q = ops.rope_and_cache(qkv, self.rope.cos, self.rope.sin, positions, slots, k_cache, v_cache, heads, kv_heads)
+            attn = paged_attention(q, k_cache, v_cache, meta, kv_heads, self.scale)
+            x = ops.add_rms_norm(h, _contiguous(lw.o_proj(attn)), lw.post_norm, eps)
+            down = _contiguous(lw.down_proj(ops.silu_mul(_contiguous(lw.gate_up_proj(x)))))
+            norm = self.final_norm if i == last else self.layers[i + 1].input_norm
+            x = ops.add_rms_norm(h, down, norm, eps)
+        return x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()

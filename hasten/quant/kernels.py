@@ -180,7 +180,10 @@ class Int4HastenLinear(QuantLinear):
             x = x * self.inv_input_scale.to(x.dtype)
         if x.shape[0] <= self.max_kernel_rows:
             self.calls["kernel"] += 1
-            y = self._op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
+            if x.dtype == torch.float32 and x.is_contiguous():  # the decode hot path: no conversions
+                y = self._op(x, self.codes, self.scales, self.mins, self.group_size)
+            else:
+                y = self._op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
         else:
             self.calls["dequant"] += 1
             y = F.linear(x.float(), self.dequantize_codes()).to(x.dtype)

@@ -26,7 +26,7 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["cpp", "sdpa"])
+@pytest.mark.parametrize("backend", ["cpp", "sdpa"])  # sdpa runs with the PyTorch glue (fused ops off)
 @pytest.mark.parametrize("arch,kwargs", VARIANTS, ids=[f"{a}-{i}" for i, (a, _) in enumerate(VARIANTS)])
 def test_greedy_matches_transformers(tiny_models, arch, kwargs, backend):
     if backend == "cpp" and cpu_attention.load() is None:
@@ -35,7 +35,8 @@ def test_greedy_matches_transformers(tiny_models, arch, kwargs, backend):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = random_prompts(16, hf.config.vocab_size, seed=3, max_len=150)
     ref = hf_greedy(hf, prompts, GREEDY.max_tokens)
-    llm = LLM(path, num_kv_blocks=512, max_model_len=1024, max_num_batched_tokens=96, attention_backend=backend)
+    llm = LLM(path, num_kv_blocks=512, max_model_len=1024, max_num_batched_tokens=96, attention_backend=backend,
+              fused_decoder_ops=backend == "cpp")
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert batched == ref
     one_by_one = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]

@@ -47,7 +47,10 @@ class DraftModelProposer:
             from hasten.quant import linear_factory_for
 
             factory = linear_factory_for(engine.config.clone(quantization=quantization), folder)
-        self.model = Decoder(cfg, load_state_dict(folder), engine.dtype, engine.max_model_len, factory)
+        self.model = Decoder(
+            cfg, load_state_dict(folder), engine.dtype, engine.max_model_len, factory,
+            fused_ops=engine.config.fused_decoder_ops,
+        )
         bs = engine.config.block_size
         num_blocks = engine.kv.pool.num_blocks
         self.kv = KVCacheManager(num_blocks, bs, engine.config.enable_prefix_caching)

@@ -1,0 +1,80 @@
+"""hasten's fused decoder ops against the PyTorch code they replace, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hasten.kernels import decoder_ops
+from hasten.model.layers import apply_rope, rms_norm
+
+ops = decoder_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="C++ decoder ops cannot be built here")
+
+DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)]
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (37, 64), (300, 128)])
+def test_rms_norm_and_residual(dtype, tol, rows, width):
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    w = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    want = rms_norm(x, w, 1e-5)
+    got = ops.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    h = x.clone()
+    delta = torch.randn(rows, width, generator=gen).to(dtype)
+    got = ops.add_rms_norm(h, delta, w, 1e-5)
+    assert torch.equal(h, x + delta)  # the residual stream is updated in place
+    assert torch.allclose(got.float(), rms_norm(x + delta, w, 1e-5).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 5), (4, 4, 16, 33), (8, 1, 128, 1)])
+def test_rope_and_cache(dtype, tol, heads, kv_heads, head_dim, tokens):
+    gen = torch.Generator().manual_seed(heads * tokens)
+    max_len, blocks, bs = 256, 12, 16
+    angles = torch.rand(max_len, head_dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], 1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], 1).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, max_len, (tokens,), generator=gen)
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+    k_cache = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = ops.rope_and_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
+
+    qk = qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim)
+    rotated = apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    assert torch.allclose(q.float(), rotated[:, :heads].float(), rtol=tol, atol=tol)
+    k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    assert torch.allclose(k_flat[slots].float(), rotated[:, heads:].float(), rtol=tol, atol=tol)
+    v = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    assert torch.equal(v_flat[slots], v)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_flat[untouched].any() and not v_flat[untouched].any()
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_silu_mul(dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(19, 2 * 96, generator=gen) * 4).to(dtype)
+    want = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    got = ops.silu_mul(gate_up)
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_bad_inputs_raise():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(x, torch.ones(7), 1e-5)
+    cache = torch.zeros(2, 4, 1, 4)
+    cos = torch.ones(8, 4)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rope_and_cache(torch.randn(1, 12), cos, cos, torch.tensor([0]), torch.tensor([99]), cache, cache.clone(), 1, 1)
+    with pytest.raises(RuntimeError, match="rotary table"):
+        ops.rope_and_cache(torch.randn(1, 12), cos, cos, torch.tensor([8]), torch.tensor([0]), cache, cache.clone(), 1, 1)
