@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--skip-llamacpp", action="store_true", help="benchmark hasten serve alone")
     ap.add_argument("--hasten-url", help="use an already running hasten server instead of starting one")
     ap.add_argument("--hasten-port", type=int, default=18080)
+    ap.add_argument("--hasten-arg", action="append", default=[],
+                    help="extra `hasten serve` argument (repeat), e.g. --hasten-arg=--quantization --hasten-arg=gguf")
     ap.add_argument("--llama-port", type=int, default=18081)
     ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--ctx-per-slot", type=int, default=2048)
@@ -105,7 +107,8 @@ def main() -> int:
             hasten = Target("hasten", args.hasten_url, "default")
         else:
             hs = ManagedServer("hasten", [sys.executable, "-m", "hasten.cli", "serve", str(gguf), "--host",
-                                          "127.0.0.1", "--port", str(args.hasten_port)], args.hasten_port, out)
+                                          "127.0.0.1", "--port", str(args.hasten_port), *args.hasten_arg],
+                               args.hasten_port, out)
             servers.append(hs)
             hs.start(args.startup_timeout)
             hasten = Target("hasten", hs.url, "default")
