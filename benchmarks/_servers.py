@@ -79,3 +79,11 @@ class ManagedServer:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
+
+
+def served_model(base_url: str) -> str:
+    """The first model id a server lists at /v1/models (hasten answers 404 to unknown names)."""
+    import json
+
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        return json.loads(resp.read())["data"][0]["id"]

@@ -46,7 +46,7 @@ from hasten.bench.report import (  # noqa: E402
 from hasten.bench.runner import LoadPoint, RunOptions  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import ManagedServer, find_gguf, find_llama_server  # noqa: E402
+from _servers import ManagedServer, find_gguf, find_llama_server, served_model  # noqa: E402
 
 SLO_TEXT = "ttft_ms=1000,tpot_ms=100"
 
@@ -104,14 +104,14 @@ def main() -> int:
     results: list[PointResult] = []
     try:
         if args.hasten_url:
-            hasten = Target("hasten", args.hasten_url, "default")
+            hasten = Target("hasten", args.hasten_url, served_model(args.hasten_url))
         else:
             hs = ManagedServer("hasten", [sys.executable, "-m", "hasten.cli", "serve", str(gguf), "--host",
                                           "127.0.0.1", "--port", str(args.hasten_port), *args.hasten_arg],
                                args.hasten_port, out)
             servers.append(hs)
             hs.start(args.startup_timeout)
-            hasten = Target("hasten", hs.url, "default")
+            hasten = Target("hasten", hs.url, served_model(hs.url))
         phases: list[tuple[int, list[LoadPoint], bool]] = [
             (c, [LoadPoint(f"concurrency {c}", concurrency=c)], False) for c in args.concurrency]
         phases.append((max(args.concurrency), [], True))  # Poisson sweep, -np = max concurrency
@@ -123,7 +123,7 @@ def main() -> int:
                                       llama_cmd(llama_bin, gguf, args.llama_port, slots, args), args.llama_port, out)
                 servers.append(llama)
                 llama.start(args.startup_timeout)
-                targets.insert(0, Target("llama.cpp", llama.url, "default"))  # ratio baseline
+                targets.insert(0, Target("llama.cpp", llama.url, served_model(llama.url)))  # ratio baseline
             cfg = campaign_config(targets, args)
             cfg.points, cfg.sweep = points, sweep
             campaign = Campaign(cfg)

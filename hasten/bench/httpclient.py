@@ -156,6 +156,7 @@ class _Connection(asyncio.Protocol):
         self._parser: ResponseParser | None = None
         self._pieces: list[tuple[float, bytes]] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._got_bytes = False  # any byte of the current response seen
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -166,6 +167,7 @@ class _Connection(asyncio.Protocol):
         parser = self._parser
         if parser is None:
             return
+        self._got_bytes = True
         try:
             body = parser.feed(data)
         except HttpError as exc:
@@ -182,6 +184,8 @@ class _Connection(asyncio.Protocol):
         if parser is not None:
             if parser.delimited_by_close:
                 self._finish(None)  # body delimited by close
+            elif not self._got_bytes:  # an idle keep-alive connection the server had closed
+                self._finish(HttpError("closed_before_response", "server closed the connection before answering"))
             else:
                 self._finish(HttpError("connection_closed", "server closed the connection mid-response"))
 
@@ -198,6 +202,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._parser = ResponseParser()
         self._pieces = []
+        self._got_bytes = False
         self._waiter = asyncio.get_running_loop().create_future()
         self.transport.write(raw)
         return self._waiter
@@ -275,19 +280,33 @@ class HttpClient:
         hop between the two."""
         raw = self.build_request(path, body)
         start = time.perf_counter()
-        conn = self._idle_connection() or await self._connect()
-        waiter = conn.begin(raw)
-        timer = None
-        if timeout is not None:
-            timer = asyncio.get_running_loop().call_later(timeout, self._expire, waiter, timeout)
-        try:
-            await waiter
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
+        conn = self._idle_connection()
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect()
+        while True:
+            waiter = conn.begin(raw)
+            timer = None
+            if timeout is not None:
+                timer = asyncio.get_running_loop().call_later(timeout, self._expire, waiter, timeout)
+            try:
+                await waiter
+                break
+            except HttpError as exc:
+                conn.close()
+                # a server may close idle keep-alive connections at any time (llama-server does
+                # after a few requests): resend once on a fresh connection, as HTTP clients do;
+                # the retry counts in this request's latency (start is unchanged)
+                if exc.kind != "closed_before_response" or not reused:
+                    raise
+                reused = False
+                conn = await self._connect()
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
         resp = conn.take_response(start)
         if self.keepalive and not conn.closed:
             self._idle.append(conn)

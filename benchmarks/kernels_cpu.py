@@ -1,0 +1,135 @@
+"""hasten's C++ CPU kernels against the PyTorch paths they replace, side by side, with ratios.
+
+    python benchmarks/kernels_cpu.py [--threads 2] [--repeats 5] [--skip-engine]
+
+1. paged attention, 64 decode sequences (contexts 32-700, SmolLM2 heads: 9 q / 3 kv, D=64,
+   blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA;
+2. one 512-token causal prefill: kernel vs SDPA;
+3. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
+   activations), hasten-q8 (int8 activations), aten int4pack (bf16 activations), fp32 oneDNN;
+4. (unless --skip-engine) batch-1 decode of SmolLM2 fp32 with the fused decoder glue on/off.
+Each timing is the best of --repeats rounds; the machine is noisy, read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from types import SimpleNamespace
+
+import torch
+
+
+def best_ms(fn, repeats: int, inner: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best * 1e3
+
+
+def attention_decode(repeats: int) -> tuple[float, float]:
+    from hasten.engine.model_runner import ModelRunner
+    from hasten.kernels import cpu_attention
+    from hasten.model.layers import AttentionMetadata, paged_attention
+
+    rng = random.Random(0)
+    seqs, bs, kvh, heads, d, pool = 64, 16, 3, 9, 64, 4000
+    ctx = [rng.randint(32, 700) for _ in range(seqs)]
+    k_cache, v_cache = torch.randn(pool, bs, kvh, d), torch.randn(pool, bs, kvh, d)
+    width = max(-(-c // bs) for c in ctx)
+    tables = torch.randperm(pool)[: seqs * width].view(seqs, width)
+    q = torch.randn(seqs, heads, d)
+    flat = AttentionMetadata(slot_mapping=torch.zeros(seqs, dtype=torch.long), block_tables=tables.to(torch.int32),
+                             query_start=torch.arange(seqs + 1), context_lens=torch.tensor(ctx))
+    runner = SimpleNamespace(block_size=bs)  # ModelRunner._group only reads block_size
+    reqs = [SimpleNamespace(block_ids=tables[i].tolist()) for i in range(seqs)]
+    group = ModelRunner._group(runner, reqs, [c - 1 for c in ctx], [1] * seqs, list(range(seqs)))
+    padded = AttentionMetadata(slot_mapping=flat.slot_mapping, groups=[group])
+    assert torch.allclose(paged_attention(q, k_cache, v_cache, flat, kvh, 0.125),
+                          paged_attention(q, k_cache, v_cache, padded, kvh, 0.125), atol=1e-4)
+    assert cpu_attention.load() is not None
+    kernel = best_ms(lambda: paged_attention(q, k_cache, v_cache, flat, kvh, 0.125), repeats, 10)
+    sdpa = best_ms(lambda: paged_attention(q, k_cache, v_cache, padded, kvh, 0.125), repeats, 10)
+    return kernel, sdpa
+
+
+def attention_prefill(repeats: int) -> tuple[float, float]:
+    from hasten.model.layers import paged_attention, single_sequence_metadata
+
+    n, bs, kvh, heads, d = 512, 16, 3, 9, 64
+    k_cache, v_cache = torch.randn(n // bs, bs, kvh, d), torch.randn(n // bs, bs, kvh, d)
+    q = torch.randn(n, heads, d)
+    cpp = single_sequence_metadata(n, bs, "cpp")
+    sdpa = single_sequence_metadata(n, bs, "sdpa")
+    return (best_ms(lambda: paged_attention(q, k_cache, v_cache, cpp, kvh, 0.125), repeats, 5),
+            best_ms(lambda: paged_attention(q, k_cache, v_cache, sdpa, kvh, 0.125), repeats, 5))
+
+
+def int4_layers(repeats: int, rows: int) -> dict[str, float]:
+    from hasten.model.linear import OneDNNLinear
+    from hasten.quant.formats import Int4Weight, pack_nibbles
+    from hasten.quant.kernels import Int4HastenLinear, Int4Linear
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]
+    totals = {"hasten": 0.0, "hasten-q8": 0.0, "aten-int4": 0.0, "fp32": 0.0}
+    for n, k in shapes:
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        qw = Int4Weight(pack_nibbles(codes), torch.rand(n, k // 32, generator=gen) * 0.01,
+                        -torch.rand(n, k // 32, generator=gen) * 0.1, 32)
+        x = torch.randn(rows, k, generator=gen)
+        layers = {"hasten": Int4HastenLinear(qw, 64), "hasten-q8": Int4HastenLinear(qw, 64, int8_activations=True),
+                  "aten-int4": Int4Linear(qw, 64), "fp32": OneDNNLinear(qw.dequantize())}
+        for name, layer in layers.items():
+            totals[name] += best_ms(lambda layer=layer, x=x: layer(x), repeats, 50)
+    return totals
+
+
+def engine_batch1(repeats: int) -> dict[str, float]:
+    from hasten import LLM, SamplingParams
+
+    llms = {"fused": LLM(None, num_kv_blocks=64, max_model_len=512),
+            "pytorch ops": LLM(None, num_kv_blocks=64, max_model_len=512, fused_decoder_ops=False)}
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    rates = {k: 0.0 for k in llms}
+    for _ in range(repeats):
+        for name, llm in llms.items():
+            m = llm.generate([list(range(100, 132))], sp)[0].metrics
+            rates[name] = max(rates[name], (len(m.token_times) - 1) / (m.last_token_time - m.first_token_time))
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-engine", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"threads={torch.get_num_threads()}  (best of {args.repeats}; ratio = PyTorch path / hasten kernel)")
+    kernel, sdpa = attention_decode(args.repeats)
+    print(f"attention, 64 decode seqs, one layer : kernel {kernel:7.2f} ms  gather+SDPA {sdpa:7.2f} ms  "
+          f"ratio {sdpa / kernel:5.2f}x")
+    kernel, sdpa = attention_prefill(args.repeats)
+    print(f"attention, 512-token prefill, 1 layer: kernel {kernel:7.2f} ms  SDPA        {sdpa:7.2f} ms  "
+          f"ratio {sdpa / kernel:5.2f}x")
+    for rows in (1, 16):
+        t = int4_layers(args.repeats, rows)
+        cells = "  ".join(f"{k} {v:6.3f} ms" for k, v in t.items())
+        print(f"int4 matmuls of one layer, {rows:>2} rows : {cells}  "
+              f"aten/hasten {t['aten-int4'] / t['hasten']:4.2f}x  aten/hasten-q8 {t['aten-int4'] / t['hasten-q8']:4.2f}x  "
+              f"fp32/hasten-q8 {t['fp32'] / t['hasten-q8']:4.2f}x")
+    if not args.skip_engine:
+        r = engine_batch1(args.repeats)
+        print(f"SmolLM2 fp32 batch-1 decode: fused glue {r['fused']:6.1f} tok/s  PyTorch ops {r['pytorch ops']:6.1f} "
+              f"tok/s  ratio {r['fused'] / r['pytorch ops']:4.2f}x")
+
+
+if __name__ == "__main__":
+    main()
