@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +41,7 @@ class Extension:
     def _build(self) -> ModuleType:
         from torch.utils import cpp_extension
 
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(self.name, verbose=False)) / "lock")
         flags = ["-O3", "-fopenmp", *self.extra_cflags]
         if os.environ.get("HASTEN_NATIVE_ARCH", "1") != "0":
             flags.append("-march=native")
@@ -50,3 +52,18 @@ class Extension:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+
+
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed process
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch waits forever on the build folder's lock file; a process killed while compiling
+    leaves it behind, which would hang every later start. Remove it once it is clearly stale."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)

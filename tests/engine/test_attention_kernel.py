@@ -111,3 +111,20 @@ def test_backend_resolution(monkeypatch):
     assert layers.resolve_attention_backend("auto") == "sdpa"
     with pytest.raises(RuntimeError, match="no compiler"):
         layers.resolve_attention_backend("cpp")
+
+
+def test_stale_build_lock_is_removed(tmp_path):
+    import os
+    import time
+
+    from hasten.kernels.build import STALE_LOCK_S, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(lock)
+    assert lock.exists()  # fresh: another process may be compiling right now
+    old = time.time() - STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    _clear_stale_lock(lock)
+    assert not lock.exists()
+    _clear_stale_lock(lock)  # missing: nothing to do
