@@ -219,6 +219,16 @@ inline void dot_rows_q8_avx2(const int8_t* xq, const float* xd, int64_t K, const
 
 }  // namespace
 
+// Calls tile(n, m, rows) for every weight row n and every tile of up to 4 rows of x starting at m,
+// weight rows split across threads (64 at least per task, so the parallel region pays off).
+template <typename Tile>
+void over_tiles(int64_t N, int64_t M, const Tile& tile) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; m += 4) tile(n, m, std::min<int64_t>(4, M - m));
+  });
+}
+
 void check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                 int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
@@ -250,26 +260,25 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* cr = cp + n * (K / 2);
-      const at::Half* sr = sp + n * G;
-      const at::Half* mr = mp + n * G;
-      int64_t m = 0;
+  over_tiles(N, M, [&](int64_t n, int64_t m, int64_t rows) {
+    const uint8_t* cr = cp + n * (K / 2);
+    const at::Half* sr = sp + n * G;
+    const at::Half* mr = mp + n * G;
+    float* out = yp + m * N + n;
 #if defined(__AVX2__) && defined(__FMA__)
-      for (; m + 4 <= M; m += 4)
-        dot_rows_q8_avx2<4>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N);
-      switch (M - m) {
-        case 3: dot_rows_q8_avx2<3>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
-        case 2: dot_rows_q8_avx2<2>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
-        case 1: dot_rows_q8_avx2<1>(xqp + m * K, xdp + m * C, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
-        default: break;
-      }
-      m = M;
-#endif
-      for (; m < M; ++m)
-        yp[m * N + n] = dot_row_q8_generic(xqp + m * K, xdp + m * C, xsp + m * G, cr, sr, mr, K, group);
+    const int8_t* xr = xqp + m * K;
+    const float* dr = xdp + m * C;
+    const float* sumr = xsp + m * G;
+    switch (rows) {
+      case 4: return dot_rows_q8_avx2<4>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
+      case 3: return dot_rows_q8_avx2<3>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
+      case 2: return dot_rows_q8_avx2<2>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
+      default: return dot_rows_q8_avx2<1>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
     }
+#else
+    for (int64_t r = 0; r < rows; ++r)
+      out[r * N] = dot_row_q8_generic(xqp + (m + r) * K, xdp + (m + r) * C, xsp + (m + r) * G, cr, sr, mr, K, group);
+#endif
   });
   return y;
 }
@@ -289,25 +298,24 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  // grain: enough rows per task that the parallel region's overhead stays small
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* cr = cp + n * (K / 2);
-      const at::Half* sr = sp + n * G;
-      const at::Half* mr = mp + n * G;
-      int64_t m = 0;
+  over_tiles(N, M, [&](int64_t n, int64_t m, int64_t rows) {
+    const uint8_t* cr = cp + n * (K / 2);
+    const at::Half* sr = sp + n * G;
+    const at::Half* mr = mp + n * G;
+    float* out = yp + m * N + n;
 #if defined(__AVX2__) && defined(__FMA__)
-      for (; m + 4 <= M; m += 4) dot_rows_avx2<4>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N);
-      switch (M - m) {
-        case 3: dot_rows_avx2<3>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
-        case 2: dot_rows_avx2<2>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
-        case 1: dot_rows_avx2<1>(xpp + m * K, K, xsp + m * G, G, cr, sr, mr, group, yp + m * N + n, N); break;
-        default: break;
-      }
-      m = M;
-#endif
-      for (; m < M; ++m) yp[m * N + n] = dot_row_generic(xpp + m * K, xsp + m * G, cr, sr, mr, K, group);
+    const float* xr = xpp + m * K;
+    const float* sumr = xsp + m * G;
+    switch (rows) {
+      case 4: return dot_rows_avx2<4>(xr, K, sumr, G, cr, sr, mr, group, out, N);
+      case 3: return dot_rows_avx2<3>(xr, K, sumr, G, cr, sr, mr, group, out, N);
+      case 2: return dot_rows_avx2<2>(xr, K, sumr, G, cr, sr, mr, group, out, N);
+      default: return dot_rows_avx2<1>(xr, K, sumr, G, cr, sr, mr, group, out, N);
     }
+#else
+    for (int64_t r = 0; r < rows; ++r)
+      out[r * N] = dot_row_generic(xpp + (m + r) * K, xsp + (m + r) * G, cr, sr, mr, K, group);
+#endif
   });
   return y;
 }

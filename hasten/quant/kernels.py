@@ -85,13 +85,17 @@ class QuantLinear:
             x = x * self.inv_input_scale.to(x.dtype)
         if self.use_kernel and x.shape[0] <= self.max_kernel_rows:
             self.calls["kernel"] += 1
-            y = self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+            y = self._run_kernel(x)
         else:
             self.calls["dequant"] += 1
             y = F.linear(x.float(), self.dequantize_codes()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed kernel on x (any float dtype); returns x's dtype."""
+        return self._kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -175,21 +179,10 @@ class Int4HastenLinear(QuantLinear):
         self.scales = qw.scales.to(torch.float16).contiguous()
         self.mins = qw.mins.to(torch.float16).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.inv_input_scale is not None:
-            x = x * self.inv_input_scale.to(x.dtype)
-        if x.shape[0] <= self.max_kernel_rows:
-            self.calls["kernel"] += 1
-            if x.dtype == torch.float32 and x.is_contiguous():  # the decode hot path: no conversions
-                y = self._op(x, self.codes, self.scales, self.mins, self.group_size)
-            else:
-                y = self._op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
-        else:
-            self.calls["dequant"] += 1
-            y = F.linear(x.float(), self.dequantize_codes()).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.is_contiguous():  # the decode hot path: no conversions
+            return self._op(x, self.codes, self.scales, self.mins, self.group_size)
+        return self._op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
 
     def dequantize_codes(self) -> torch.Tensor:
         g = self.group_size
