@@ -7,6 +7,7 @@ the caller falls back to a PyTorch path; `error` says why.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -39,22 +40,36 @@ class Extension:
         return self.module
 
     def _build(self) -> ModuleType:
+        """Build in a folder named by a hash of the source, flags and torch version, from a copy
+        of the source kept there: every checkout with the same kernel reuses one build (building
+        from each checkout's own path would make ninja rebuild whenever the path changes)."""
+        import torch
         from torch.utils import cpp_extension
 
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(self.name, verbose=False)) / "lock")
         flags = ["-O3", "-fopenmp", *self.extra_cflags]
         if os.environ.get("HASTEN_NATIVE_ARCH", "1") != "0":
             flags.append("-march=native")
+        code = self.source.read_bytes()
+        key = hashlib.blake2b(code + repr((flags, torch.__version__)).encode(), digest_size=6).hexdigest()
+        name = f"{self.name}_{key}"
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        _clear_stale_lock(folder / "lock")
+        source = folder / self.source.name
+        if not source.exists() or source.read_bytes() != code:
+            tmp = folder / (self.source.name + f".{os.getpid()}.tmp")
+            tmp.write_bytes(code)
+            tmp.replace(source)  # atomic: a concurrent build never sees half a file
         return cpp_extension.load(
-            name=self.name,
-            sources=[str(self.source)],
+            name=name,
+            sources=[str(source)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
             verbose=False,
         )
 
 
-STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed process
+STALE_LOCK_S = 300  # a build takes about a minute; a lock this old was left by a killed process
 
 
 def _clear_stale_lock(lock: Path) -> None:
