@@ -168,9 +168,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
-  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm of each row of h");
-  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k; k and v written to their cache slots");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "h += delta in place, then RMSNorm of each row of h");
+  m.def("rope_and_cache", &rope_and_cache, py::call_guard<py::gil_scoped_release>(), "rotary embedding of q and k; k and v written to their cache slots");
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up");
 }

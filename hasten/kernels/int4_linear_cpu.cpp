@@ -320,7 +320,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
+// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
-  m.def("int4_linear_q8", &int4_linear_q8, "as int4_linear, with x quantized to int8 per 32 values");
+  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
+  m.def("int4_linear_q8", &int4_linear_q8, py::call_guard<py::gil_scoped_release>(), "as int4_linear, with x quantized to int8 per 32 values");
 }

@@ -382,6 +382,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over a block pool (CPU)");
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(), "Paged attention over a block pool (CPU)");
 }
