@@ -138,7 +138,7 @@ class Int8Linear(QuantLinear):
 
 
 INT4_KERNELS = ("auto", "hasten", "hasten-q8", "torch")
-INT4_AUTO = "hasten"  # exact; hasten-q8 is faster but adds ~1.5% perplexity (docs/quantization.md)
+INT4_AUTO = "hasten"  # exact; hasten-q8 is faster but adds ~2% perplexity (docs/quantization.md)
 
 
 def resolve_int4_kernel(name: str, group_size: int) -> str:
