@@ -42,6 +42,17 @@ def find_llama_server(explicit: str | None) -> str:
                      "or --skip-llamacpp")
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Terminate a child process, killing it if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
 class ManagedServer:
     """A server subprocess with its log in a file; stopped on exit."""
 
@@ -71,13 +82,8 @@ class ManagedServer:
         raise SystemExit(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, 20)
         self.proc = None
 
 

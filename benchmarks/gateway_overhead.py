@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _servers import stop_process as stop  # noqa: E402
 
 from hasten.gateway.testing import LoadResult, run_load  # noqa: E402
 
@@ -56,16 +59,6 @@ def spawn(args: list[str], ready: str, timeout_s: float = 20.0) -> tuple[subproc
             return proc, line.strip()
     proc.kill()
     raise RuntimeError(f"{args} did not become ready")
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def addr(line: str) -> tuple[str, int]:

@@ -40,6 +40,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _servers import stop_process as stop  # noqa: E402
 
 QUESTIONS = [f"Question {i}: what is a short fact about topic number {i}?" for i in range(40)]
 
@@ -97,16 +100,6 @@ def spawn(args: list[str], ready: str = "listening", timeout_s: float = 60.0) ->
             return proc, int(m.group(1))
     stop(proc)
     raise RuntimeError(f"{args} did not start")
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def wait_health(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:
