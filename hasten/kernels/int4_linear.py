@@ -34,3 +34,12 @@ def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     if mod is None:
         raise RuntimeError(f"C++ int4 kernel unavailable: {_ext.error}")
     return mod.int4_linear_q8(x, codes, scales, mins, group)
+
+
+def int4_linear_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
+    """As int4_linear, computed by dequantizing 64 weight rows at a time to float32 (in cache) and
+    running the float32 GEMM on each block: faster once x has more than a few rows."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ int4 kernel unavailable: {_ext.error}")
+    return mod.int4_linear_gemm(x, codes, scales, mins, group)

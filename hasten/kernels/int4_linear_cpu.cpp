@@ -320,8 +320,78 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
+// Many rows of x (prefill, large batches): the dot-product kernels above are bound by their loads
+// of x, so instead each task dequantizes a block of weight rows to float32 (in x's permuted order,
+// so the block stays in cache) and hands it to the float32 GEMM, which runs single-threaded inside
+// the parallel region. Same values as dequantize-then-matmul, without ever writing the whole
+// float32 weight to memory.
+namespace {
+constexpr int64_t kGemmBlock = 64;  // weight rows per task
+
+void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t rows, int64_t K,
+                  int64_t group, float* w) {
+  const int64_t G = K / group;
+  for (int64_t n = 0; n < rows; ++n) {
+    const uint8_t* cr = codes + n * (K / 2);
+    float* wr = w + n * K;
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = half_to_float(scales[n * G + g]), mn = half_to_float(mins[n * G + g]);
+      for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m128i nib = _mm_set1_epi8(0x0F);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cr + c / 2));
+        const __m128i lo = _mm_and_si128(bytes, nib);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+        const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mn);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; ++j) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+          _mm256_storeu_ps(wr + c + 8 * j, _mm256_add_ps(_mm256_mul_ps(q, vs), vm));
+        }
+#else
+        for (int64_t i = 0; i < kChunk / 2; ++i) {
+          wr[c + i] = static_cast<float>(cr[c / 2 + i] & 0x0F) * s + mn;
+          wr[c + kChunk / 2 + i] = static_cast<float>(cr[c / 2 + i] >> 4) * s + mn;
+        }
+#endif
+      }
+    }
+  }
+}
+}  // namespace
+
+at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& mins, int64_t group) {
+  check_args(x, codes, scales, mins, group);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xp = at::empty({M, K}, x.options());
+  auto xs = at::empty({M, G}, x.options());
+  prepare_x(x.data_ptr<float>(), M, K, group, xp.data_ptr<float>(), xs.data_ptr<float>());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    // Tensors made here are ordinary ones even when the caller is in inference mode (that mode is
+    // per thread), so nothing made by the caller is written through torch: y is filled by memcpy.
+    auto w = at::empty({kGemmBlock, K}, x.options());
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
+      dequant_rows(cp + n0 * (K / 2), sp + n0 * G, mp + n0 * G, rows, K, group, w.data_ptr<float>());
+      const auto part = at::mm(xp, w.narrow(0, 0, rows).t()).contiguous();  // [M, rows]
+      const float* pp = part.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(float));
+    }
+  });
+  return y;
+}
+
 // The kernels touch no Python objects: let other Python threads (the server's event loop) run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
+  m.def("int4_linear_gemm", &int4_linear_gemm, py::call_guard<py::gil_scoped_release>(), "as int4_linear, through blocks of float32 weights and the float32 GEMM (many rows of x)");
   m.def("int4_linear_q8", &int4_linear_q8, py::call_guard<py::gil_scoped_release>(), "as int4_linear, with x quantized to int8 per 32 values");
 }

@@ -167,22 +167,30 @@ class Int4HastenLinear(QuantLinear):
 
     kind = "int4"
 
+    # From this many rows of x on (prefill, big decode batches) the kernel dequantizes 64 weight
+    # rows at a time into cache and runs the float32 GEMM on them (int4_linear_gemm); below, the
+    # dot-product kernels (bound by their loads of x, but they read each weight byte once per 4 rows).
+    gemm_min_rows = 12
+
     def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32, int8_activations: bool = False):
         n, k = qw.shape
-        super().__init__(n, k, qw.bias, qw.input_scale, max_kernel_rows)
-        from hasten.kernels.int4_linear import int4_linear, int4_linear_q8
+        # max_kernel_rows does not apply: the GEMM path is never slower than dequantize + matmul
+        super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62)
+        from hasten.kernels.int4_linear import int4_linear, int4_linear_gemm, int4_linear_q8
 
         self.int8_activations = int8_activations
         self._op = int4_linear_q8 if int8_activations else int4_linear
+        self._gemm = int4_linear_gemm
         self.group_size = qw.group_size
         self.codes = qw.qweight.contiguous()
         self.scales = qw.scales.to(torch.float16).contiguous()
         self.mins = qw.mins.to(torch.float16).contiguous()
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        op = self._op if x.shape[0] < self.gemm_min_rows else self._gemm
         if x.dtype == torch.float32 and x.is_contiguous():  # the decode hot path: no conversions
-            return self._op(x, self.codes, self.scales, self.mins, self.group_size)
-        return self._op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
+            return op(x, self.codes, self.scales, self.mins, self.group_size)
+        return op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
 
     def dequantize_codes(self) -> torch.Tensor:
         g = self.group_size

@@ -41,25 +41,37 @@ def q8_reference(x, codes, scales, mins, group):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11])
 @pytest.mark.parametrize("n,k,group", [(33, 64, 32), (100, 576, 32), (64, 1536, 64), (7, 256, 128), (5, 96, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("variant", ["float", "q8"])
+@pytest.mark.parametrize("variant", ["float", "q8", "gemm"])
 def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
     gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
     codes, scales, mins = random_weight(gen, n, k, group)
     x = torch.randn(m, k, generator=gen)
-    op = int4_linear.int4_linear if variant == "float" else int4_linear.int4_linear_q8
+    op = {"float": int4_linear.int4_linear, "q8": int4_linear.int4_linear_q8, "gemm": int4_linear.int4_linear_gemm}[variant]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         y = op(x, pack_nibbles(codes), scales, mins, group)
     finally:
         torch.set_num_threads(before)
-    want = (reference if variant == "float" else q8_reference)(x, codes, scales, mins, group)
+    want = (q8_reference if variant == "q8" else reference)(x, codes, scales, mins, group)
     err = (y.double() - want).abs().max().item() / want.abs().max().item()
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert err < 1e-5
     if variant == "q8":  # and it stays close to the float result
         exact = reference(x, codes, scales, mins, group)
         assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("m,n", [(12, 64), (40, 130), (97, 200)])
+def test_int4_gemm_path_many_rows(m, n):
+    """The blocked dequantize + GEMM path: several 64-row weight blocks, a ragged last one, 2 threads."""
+    gen = torch.Generator().manual_seed(m + n)
+    codes, scales, mins = random_weight(gen, n, 576, 32)
+    x = torch.randn(m, 576, generator=gen)
+    with torch.inference_mode():  # as in the engine: worker threads are not in inference mode
+        y = int4_linear.int4_linear_gemm(x, pack_nibbles(codes), scales, mins, 32)
+    want = reference(x, codes, scales, mins, 32)
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
 
 
 def test_int4_kernel_rejects_bad_shapes():
@@ -84,11 +96,11 @@ def test_layer_uses_kernel_and_matches_its_dequantized_weight():
                     input_scale=torch.rand(128, generator=gen) + 0.5)
     layer = make_layer(qw, max_kernel_rows=4, int4_kernel="hasten")
     assert isinstance(layer, Int4HastenLinear) and not layer.int8_activations
-    for rows in (1, 4, 9):  # 9 > max_kernel_rows: dequantize + GEMM
+    for rows in (1, 4, 9, layer.gemm_min_rows, 70):  # the dot kernels below gemm_min_rows, blocked GEMM above
         x = torch.randn(rows, 128, generator=gen)
         want = x.double() @ layer.dequantize().double().t() + qw.bias.double()
         assert torch.allclose(layer(x).double(), want, atol=1e-4, rtol=1e-5)
-    assert layer.calls == {"kernel": 2, "dequant": 1}
+    assert layer.calls == {"kernel": 5, "dequant": 0}  # never a whole-weight dequantize
     assert resolve_int4_kernel("torch", 32) == "torch"
     assert resolve_int4_kernel("auto", 32) in ("hasten", "hasten-q8")
     assert make_layer(qw, int4_kernel="hasten-q8").int8_activations
