@@ -44,6 +44,7 @@ class QuantOptions:
     cache_dir: str | None = None
     max_kernel_rows: int = 32
     int4_kernel: str = "auto"  # auto | hasten (our C++ kernel) | torch (aten int4pack, bf16 activations)
+    int8_kernel: str = "auto"  # auto | hasten (our C++ kernel) | torch (aten int8pack, bf16 activations)
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -69,13 +70,14 @@ class QuantOptions:
             cache_dir=getattr(config, "quant_cache_dir", None),
             max_kernel_rows=int(getattr(config, "quant_kernel_max_rows", 32)),
             int4_kernel=str(getattr(config, "quant_int4_kernel", "auto")),
+            int8_kernel=str(getattr(config, "quant_int8_kernel", "auto")),
             dtype=dtype,
         )
 
     def key(self) -> dict:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
-        for k in ("cache_dir", "max_kernel_rows", "int4_kernel"):
+        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel"):
             d.pop(k)
         if self.mode == "int8":
             d.pop("group_size")
@@ -188,7 +190,7 @@ class QuantizingFactory:
             self.made[name] = qw
             self._maybe_save()
         qw.bias = bias
-        layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel)
+        layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel)
         self.layers[name] = layer
         return layer
 
@@ -214,5 +216,6 @@ def linear_factory_for(config, model_folder: Path) -> LinearFactory:
     if opts.mode == "gguf":
         from hasten.quant.gguf_blocks import GGUFLinearFactory, gguf_source
 
-        return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel)
+        return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
+                                 opts.int8_kernel)
     return QuantizingFactory(opts, folder)

@@ -106,7 +106,8 @@ class GGUFLinearFactory:
     """LinearFactory serving each projection from the GGUF's own blocks where they are native."""
 
     def __init__(
-        self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto"
+        self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto",
+        int8_kernel: str = "auto",
     ):
         from gguf import GGUFReader
 
@@ -120,6 +121,7 @@ class GGUFLinearFactory:
         self.heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
         self.max_kernel_rows = max_kernel_rows
         self.int4_kernel = int4_kernel
+        self.int8_kernel = int8_kernel
         self.quantize_lm_head = quantize_lm_head
         self.report: dict[str, str] = {}  # layer name -> how it was served
 
@@ -165,7 +167,7 @@ class GGUFLinearFactory:
         if tuple(qw.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: GGUF blocks give {qw.shape}, the model expects {tuple(weight.shape)}")
         qw.bias = bias
-        return make_layer(qw, self.max_kernel_rows, self.int4_kernel)
+        return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel)
 
 
 def gguf_source(folder: Path) -> Path:

@@ -114,15 +114,50 @@ class QuantLinear:
         raise NotImplementedError
 
 
+INT8_KERNELS = ("auto", "hasten", "torch")
+
+
+def resolve_int8_kernel(name: str) -> str:
+    """Which int8 matmul runs: "hasten" (our C++ kernel: weight blocks dequantized in cache, float32
+    activations, exact) or "torch" (torch._weight_int8pack_mm, bfloat16 activations). auto = hasten
+    when it builds here."""
+    if name not in INT8_KERNELS:
+        raise ValueError(f"int8 kernel must be one of {INT8_KERNELS}, got {name!r}")
+    if name == "torch":
+        return "torch"
+    from hasten.kernels import quant_linear
+
+    if quant_linear.load() is None:
+        if name == "hasten":
+            raise RuntimeError(f"the hasten int8 kernel cannot run here: {quant_linear.load_error()}")
+        return "torch"
+    return "hasten"
+
+
 class Int8Linear(QuantLinear):
     kind = "int8"
 
-    def __init__(self, qw: Int8Weight, max_kernel_rows: int = 32):
+    def __init__(self, qw: Int8Weight, max_kernel_rows: int = 32, kernel: str = "auto"):
         n, k = qw.shape
-        super().__init__(n, k, qw.bias, qw.input_scale, max_kernel_rows)
+        self.kernel = resolve_int8_kernel(kernel)
+        # our kernel has a path for every row count (max_kernel_rows is torch's kernel's limit)
+        super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62 if self.kernel == "hasten" else max_kernel_rows)
         self.qweight = qw.qweight.contiguous()
-        self.scales = qw.scales.to(KERNEL_DTYPE).contiguous()
-        self.use_kernel = has_int8_kernel()
+        if self.kernel == "hasten":
+            from hasten.kernels.quant_linear import int8_linear
+
+            self._op = int8_linear
+            self.scales = qw.scales.float().contiguous()
+        else:
+            self.scales = qw.scales.to(KERNEL_DTYPE).contiguous()
+            self.use_kernel = has_int8_kernel()
+
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel != "hasten":
+            return super()._run_kernel(x)
+        if x.dtype == torch.float32 and x.is_contiguous():
+            return self._op(x, self.qweight, self.scales)
+        return self._op(x.float().contiguous(), self.qweight, self.scales).to(x.dtype)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
@@ -132,7 +167,7 @@ class Int8Linear(QuantLinear):
 
     @property
     def nbytes(self) -> int:
-        total = self.qweight.numel() + self.scales.numel() * 2
+        total = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
         total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
@@ -151,7 +186,7 @@ def resolve_int4_kernel(name: str, group_size: int) -> str:
         raise ValueError(f"int4 kernel must be one of {INT4_KERNELS}, got {name!r}")
     if name == "torch":
         return "torch"
-    from hasten.kernels import int4_linear
+    from hasten.kernels import quant_linear as int4_linear
 
     usable = group_size % 32 == 0 and int4_linear.load() is not None
     if name != "auto" and not usable:
@@ -162,21 +197,21 @@ def resolve_int4_kernel(name: str, group_size: int) -> str:
 
 
 class Int4HastenLinear(QuantLinear):
-    """int4 groups through hasten's C++ kernel (hasten/kernels/int4_linear_cpu.cpp): codes kept in
+    """int4 groups through hasten's C++ kernel (hasten/kernels/quant_linear_cpu.cpp): codes kept in
     the Int4Weight layout, scale and min per group as float16, float32 activations throughout."""
 
     kind = "int4"
 
-    # From this many rows of x on (prefill, big decode batches) the kernel dequantizes 64 weight
-    # rows at a time into cache and runs the float32 GEMM on them (int4_linear_gemm); below, the
-    # dot-product kernels (bound by their loads of x, but they read each weight byte once per 4 rows).
-    gemm_min_rows = 12
+    # From this many rows of x on (batched decode, prefill) the kernel dequantizes 48 weight rows
+    # at a time into cache and multiplies them there (int4_linear_gemm); one row (batch-1 decode)
+    # takes the dot-product kernel that unpacks the codes in registers.
+    gemm_min_rows = 2
 
     def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32, int8_activations: bool = False):
         n, k = qw.shape
         # max_kernel_rows does not apply: the GEMM path is never slower than dequantize + matmul
         super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62)
-        from hasten.kernels.int4_linear import int4_linear, int4_linear_gemm, int4_linear_q8
+        from hasten.kernels.quant_linear import int4_linear, int4_linear_gemm, int4_linear_q8
 
         self.int8_activations = int8_activations
         self._op = int4_linear_q8 if int8_activations else int4_linear
@@ -256,9 +291,10 @@ class Int4Linear(QuantLinear):
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
-def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto") -> QuantLinear:
+def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
+               int8_kernel: str = "auto") -> QuantLinear:
     if isinstance(qw, Int8Weight):
-        return Int8Linear(qw, max_kernel_rows)
+        return Int8Linear(qw, max_kernel_rows, int8_kernel)
     kernel = resolve_int4_kernel(int4_kernel, qw.group_size)
     if kernel.startswith("hasten"):
         return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8")

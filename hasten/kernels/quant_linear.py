@@ -1,4 +1,4 @@
-"""The C++ int4 weight-only linear (int4_linear_cpu.cpp); see hasten.kernels.build."""
+"""The C++ int4 / int8 weight-only linears (quant_linear_cpu.cpp); see hasten.kernels.build."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from hasten.kernels.build import Extension
 
-_ext = Extension("hasten_int4_linear_cpu", "int4_linear_cpu.cpp")
+_ext = Extension("hasten_quant_linear_cpu", "quant_linear_cpu.cpp")
 
 
 def load() -> ModuleType | None:
@@ -23,7 +23,7 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
     """y [M, N] = x [M, K] W^T, W[n, k] = code * scale + min (codes uint8 [N, K // 2], float16 [N, K // group])."""
     mod = _ext.module or load()
     if mod is None:
-        raise RuntimeError(f"C++ int4 kernel unavailable: {_ext.error}")
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
     return mod.int4_linear(x, codes, scales, mins, group)
 
 
@@ -32,7 +32,7 @@ def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     instructions per weight, activation error about 1/254 of each 32-run's largest value."""
     mod = _ext.module or load()
     if mod is None:
-        raise RuntimeError(f"C++ int4 kernel unavailable: {_ext.error}")
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
     return mod.int4_linear_q8(x, codes, scales, mins, group)
 
 
@@ -41,5 +41,14 @@ def int4_linear_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     running the float32 GEMM on each block: faster once x has more than a few rows."""
     mod = _ext.module or load()
     if mod is None:
-        raise RuntimeError(f"C++ int4 kernel unavailable: {_ext.error}")
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
     return mod.int4_linear_gemm(x, codes, scales, mins, group)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] W^T, W[n, k] = qweight[n, k] * scales[n] (int8 [N, K], float32 [N]); exact
+    against the dequantized weight (float32 x, float32 arithmetic)."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
+    return mod.int8_linear(x, qweight, scales)

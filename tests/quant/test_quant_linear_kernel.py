@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hasten.kernels import int4_linear
+from hasten.kernels import quant_linear as int4_linear
 from hasten.quant.formats import Int4Weight, pack_nibbles
 from hasten.quant.kernels import Int4HastenLinear, make_layer, resolve_int4_kernel
 
@@ -62,7 +62,7 @@ def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
         assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("m,n", [(12, 64), (40, 130), (97, 200)])
+@pytest.mark.parametrize("m,n", [(2, 50), (12, 64), (40, 130), (97, 200)])
 def test_int4_gemm_path_many_rows(m, n):
     """The blocked dequantize + GEMM path: several 64-row weight blocks, a ragged last one, 2 threads."""
     gen = torch.Generator().manual_seed(m + n)
@@ -96,7 +96,7 @@ def test_layer_uses_kernel_and_matches_its_dequantized_weight():
                     input_scale=torch.rand(128, generator=gen) + 0.5)
     layer = make_layer(qw, max_kernel_rows=4, int4_kernel="hasten")
     assert isinstance(layer, Int4HastenLinear) and not layer.int8_activations
-    for rows in (1, 4, 9, layer.gemm_min_rows, 70):  # the dot kernels below gemm_min_rows, blocked GEMM above
+    for rows in (1, 4, 9, layer.gemm_min_rows, 70):  # 70: the library GEMM on the blocks  # the dot kernels below gemm_min_rows, blocked GEMM above
         x = torch.randn(rows, 128, generator=gen)
         want = x.double() @ layer.dequantize().double().t() + qw.bias.double()
         assert torch.allclose(layer(x).double(), want, atol=1e-4, rtol=1e-5)
@@ -106,3 +106,37 @@ def test_layer_uses_kernel_and_matches_its_dequantized_weight():
     assert make_layer(qw, int4_kernel="hasten-q8").int8_activations
     with pytest.raises(ValueError):
         resolve_int4_kernel("fast", 32)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 70])
+@pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (5, 20)])
+def test_int8_kernel_matches_reference(m, n, k):
+    """int8 weights, per-row scales: every row-count path (tiles, library GEMM), a K that is not a
+    multiple of 8, ragged weight blocks; under inference mode as in the engine."""
+    gen = torch.Generator().manual_seed(m * 100 + n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.02 + 0.001
+    x = torch.randn(m, k, generator=gen)
+    with torch.inference_mode():
+        y = int4_linear.int8_linear(x, q, scales)
+    want = x.double() @ (q.double() * scales.double()[:, None]).t()
+    assert y.shape == (m, n)
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+
+
+def test_int8_layer_kernels_agree():
+    from hasten.quant.formats import quantize_int8
+    from hasten.quant.kernels import Int8Linear, resolve_int8_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    qw = quantize_int8(torch.randn(40, 96, generator=gen), bias=torch.randn(40, generator=gen))
+    ours = make_layer(qw)
+    assert isinstance(ours, Int8Linear) and ours.kernel == "hasten"
+    theirs = make_layer(qw, int8_kernel="torch")
+    assert theirs.kernel == "torch"
+    x = torch.randn(6, 96, generator=gen)
+    want = x.double() @ ours.dequantize().double().t() + qw.bias.double()
+    assert torch.allclose(ours(x).double(), want, atol=1e-4, rtol=1e-5)  # exact float32 path
+    assert torch.allclose(theirs(x).double(), want, atol=0.1, rtol=0.02)  # bfloat16 activations
+    with pytest.raises(ValueError):
+        resolve_int8_kernel("fast")

@@ -1,4 +1,7 @@
-// Weight-only int4 linear on the CPU: y = x W^T with float32 activations and 4-bit weights.
+// Weight-only int4 and int8 linears on the CPU: y = x W^T with float32 activations.
+//
+// int8 (hasten.quant.formats.Int8Weight, also GGUF Q8_0 rows): qweight int8 [N, K], scales float32
+// [N]: w[n, k] = q[n, k] * scale[n]; always through the blocked path below (int8_linear).
 //
 // Weight layout (hasten.quant.formats.Int4Weight, also GGUF Q4_0/Q4_1 after conversion):
 //   codes  uint8 [N, K / 2]   value k of row n in nibble k % 2 (low nibble first) of byte k / 2
@@ -320,13 +323,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
-// Many rows of x (prefill, large batches): the dot-product kernels above are bound by their loads
-// of x, so instead each task dequantizes a block of weight rows to float32 (in x's permuted order,
-// so the block stays in cache) and hands it to the float32 GEMM, which runs single-threaded inside
-// the parallel region. Same values as dequantize-then-matmul, without ever writing the whole
-// float32 weight to memory.
+// Two or more rows of x (batched decode, prefill): the dot-product kernels above are bound by their
+// loads of x, so instead each task dequantizes a block of 48 weight rows to float32 (in x's permuted
+// order; the block stays in cache) and multiplies it by x with register tiles of 4 x-rows by 3
+// weight rows (7 loads per 12 fused multiply-adds), or from 64 rows on with the library's float32
+// GEMM, single-threaded inside the parallel region. Same values as dequantize-then-matmul, without
+// ever writing the whole float32 weight to memory.
 namespace {
-constexpr int64_t kGemmBlock = 64;  // weight rows per task
+constexpr int64_t kGemmBlock = 48;  // weight rows per task (16 tiles of 3)
+// From this many rows on, the library's float32 GEMM (packed, cache-blocked) beats our register tiles.
+constexpr int64_t kLibraryGemmRows = 64;
 
 void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t rows, int64_t K,
                   int64_t group, float* w) {
@@ -358,6 +364,54 @@ void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* 
     }
   }
 }
+#if defined(__AVX2__) && defined(__FMA__)
+// out[r, j] = xp[r] . w[j] for MR rows of x and NR dequantized weight rows, all K in one go:
+// MR * NR accumulators, so each k-step of 8 does MR + NR loads for MR * NR fused multiply-adds.
+template <int MR, int NR>
+inline void tile_dot(const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) out[r * ldo + j] = hsum(acc[r][j]);
+}
+
+template <int MR>
+inline void tile_dot_nr(int nr, const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  switch (nr) {
+    case 3: return tile_dot<MR, 3>(x, w, K, out, ldo);
+    case 2: return tile_dot<MR, 2>(x, w, K, out, ldo);
+    default: return tile_dot<MR, 1>(x, w, K, out, ldo);
+  }
+}
+
+// y[:, n0:n0+rows] for one dequantized block (rows x K, permuted like xp).
+void block_gemm(const float* xp, int64_t M, int64_t K, const float* w, int64_t rows, float* y, int64_t N) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const int mr = static_cast<int>(std::min<int64_t>(4, M - m));
+    for (int64_t j = 0; j < rows; j += 3) {
+      const int nr = static_cast<int>(std::min<int64_t>(3, rows - j));
+      const float* xr = xp + m * K;
+      const float* wr = w + j * K;
+      float* out = y + m * N + j;
+      switch (mr) {
+        case 4: tile_dot_nr<4>(nr, xr, wr, K, out, N); break;
+        case 3: tile_dot_nr<3>(nr, xr, wr, K, out, N); break;
+        case 2: tile_dot_nr<2>(nr, xr, wr, K, out, N); break;
+        default: tile_dot_nr<1>(nr, xr, wr, K, out, N); break;
+      }
+    }
+  }
+}
+#endif
 }  // namespace
 
 at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -381,7 +435,66 @@ at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const 
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
       dequant_rows(cp + n0 * (K / 2), sp + n0 * G, mp + n0 * G, rows, K, group, w.data_ptr<float>());
+#if defined(__AVX2__) && defined(__FMA__)
+      if (M < kLibraryGemmRows) {
+        block_gemm(xp.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
+        continue;
+      }
+#endif
       const auto part = at::mm(xp, w.narrow(0, 0, rows).t()).contiguous();  // [M, rows]
+      const float* pp = part.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(float));
+    }
+  });
+  return y;
+}
+
+// ---- int8 weights: same blocked scheme, natural k order ---------------------------------------
+namespace {
+void dequant_rows_int8(const int8_t* q, const float* scales, int64_t rows, int64_t K, float* w) {
+  for (int64_t n = 0; n < rows; ++n) {
+    const int8_t* qr = q + n * K;
+    float* wr = w + n * K;
+    const float s = scales[n];
+    int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; k + 8 <= K; k += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + k));
+      _mm256_storeu_ps(wr + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs));
+    }
+#endif
+    for (; k < K; ++k) wr[k] = static_cast<float>(qr[k]) * s;
+  }
+}
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "qweight must be contiguous int8 [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K, "qweight has K = ", qweight.size(1), ", x has K = ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales must be contiguous float32 [N]");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int8_t* qp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    auto w = at::empty({kGemmBlock, K}, x.options());  // an ordinary tensor (see int4_linear_gemm)
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
+      dequant_rows_int8(qp + n0 * K, sp + n0, rows, K, w.data_ptr<float>());
+#if defined(__AVX2__) && defined(__FMA__)
+      if (M < kLibraryGemmRows && K % 8 == 0) {
+        block_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
+        continue;
+      }
+#endif
+      const auto part = at::mm(x, w.narrow(0, 0, rows).t()).contiguous();
       const float* pp = part.data_ptr<float>();
       for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(float));
     }
@@ -393,5 +506,6 @@ at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
   m.def("int4_linear_gemm", &int4_linear_gemm, py::call_guard<py::gil_scoped_release>(), "as int4_linear, through blocks of float32 weights and the float32 GEMM (many rows of x)");
+  m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with int8 weights (per-row float32 scales), float32 x");
   m.def("int4_linear_q8", &int4_linear_q8, py::call_guard<py::gil_scoped_release>(), "as int4_linear, with x quantized to int8 per 32 values");
 }
