@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=4, help="warm-up requests per point (4 = one per system prompt)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-duration", type=float, default=300.0, help="seconds per run")

@@ -13,6 +13,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model context, 8192)
     # KV cache
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | float16 | bfloat16 (half the bytes per token)
     kv_cache_memory_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb
     enable_prefix_caching: bool = True

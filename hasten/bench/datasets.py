@@ -59,6 +59,10 @@ class WorkloadConfig:
     num_turns: int = 4
     dataset_path: str | None = None
     seed: int = 0
+    # shared-prefix only: draw the system prompts from this seed instead of `seed` (warm-up requests
+    # reuse the measured workload's prompts with other questions), and use them in turn, not at random
+    prefix_seed: int | None = None
+    cycle_prefixes: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -110,14 +114,15 @@ def random_workload(cfg: WorkloadConfig, n: int, tok: TokenCounter | None) -> li
 
 def shared_prefix_workload(cfg: WorkloadConfig, n: int, tok: TokenCounter | None) -> list[RequestSpec]:
     rng = random.Random(cfg.seed)
+    prefix_rng = rng if cfg.prefix_seed is None else random.Random(cfg.prefix_seed)
     out_len = cfg.output_len or 128
     prefixes = []
     for i in range(max(1, cfg.num_prefixes)):
-        text, plen = _text_of_len(rng, cfg.prefix_len, tok)
+        text, plen = _text_of_len(prefix_rng, cfg.prefix_len, tok)
         prefixes.append((f"You are assistant number {i}. Context: {text}", plen + 6))
     specs = []
-    for _ in range(n):
-        prefix, prefix_len = prefixes[rng.randrange(len(prefixes))]
+    for i in range(n):
+        prefix, prefix_len = prefixes[i % len(prefixes) if cfg.cycle_prefixes else rng.randrange(len(prefixes))]
         question, qlen = _text_of_len(rng, _sample_len(rng, cfg.input_len, cfg.range_ratio), tok)
         messages = [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
         specs.append(RequestSpec(prompt=prefix + "\n\n" + question, messages=messages,
@@ -232,10 +237,16 @@ def build_workload(cfg: WorkloadConfig, n: int | None = None,
 
 
 def warmup_workload(cfg: WorkloadConfig, n: int, tok: TokenCounter | None = None) -> list[RequestSpec]:
-    """Warm-up requests: same shape, different seed, no inter-request dependencies."""
+    """Warm-up requests: same shape, different seed, no inter-request dependencies. For the
+    shared-prefix workload they use the measured requests' system prompts, each in turn (so n >=
+    num_prefixes warms every prefix, as in a server whose system prompts are in steady use) with
+    other questions."""
     if n <= 0:
         return []
     shifted = WorkloadConfig(**{**cfg.__dict__, "seed": cfg.seed + 1_000_003})
+    if cfg.dataset == "shared-prefix":
+        shifted.prefix_seed = cfg.seed if cfg.prefix_seed is None else cfg.prefix_seed
+        shifted.cycle_prefixes = True
     if cfg.dataset == "multi-turn":
         shifted.dataset = "random"
     specs = build_workload(shifted, n, tok)

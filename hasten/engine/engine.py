@@ -41,6 +41,16 @@ class _Group:
     finished_reported: bool = False
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's (auto), or a narrower float16 / bfloat16 one
+    (attention still computes in float32; only the stored keys and values are rounded)."""
+    table = {"auto": model_dtype, "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"unsupported kv_cache_dtype {name!r}: use auto, float32, float16 or bfloat16")
+    return table[name]
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     table = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -61,6 +71,7 @@ class LLMEngine:
         hf_cfg = load_hf_config(folder)
         self.model_config = cfg = ModelConfig.from_hf(hf_cfg)
         self.dtype = resolve_dtype(config.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         from transformers import AutoTokenizer
 
@@ -75,7 +86,7 @@ class LLMEngine:
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         else:
-            num_blocks = ModelRunner.blocks_for_memory(cfg, bs, self.dtype, int(config.kv_cache_memory_gb * 2**30))
+            num_blocks = ModelRunner.blocks_for_memory(cfg, bs, self.kv_dtype, int(config.kv_cache_memory_gb * 2**30))
         min_blocks = -(-self.max_model_len // bs)
         if num_blocks < min_blocks:
             raise ValueError(
@@ -94,7 +105,7 @@ class LLMEngine:
             self.kv,
         )
         self.attention_backend = resolve_attention_backend(config.attention_backend)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.dtype, self.attention_backend)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
         self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
         self.proposer = self._make_proposer()

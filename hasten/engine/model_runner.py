@@ -33,7 +33,8 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str = "sdpa",
     ):
-        """attention_backend: "cpp" (kernel reading the block pool in place) or "sdpa" (padded gather)."""
+        """dtype: the KV cache's (the model's, or a narrower float16 / bfloat16).
+        attention_backend: "cpp" (kernel reading the block pool in place) or "sdpa" (padded gather)."""
         if attention_backend not in ("cpp", "sdpa"):
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.attention_backend = attention_backend

@@ -6,6 +6,7 @@
 //   add_rms_norm(h, delta, w, eps)    -> h += delta (in place), then rms_norm(h, w, eps)
 //   rope_and_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
 //                                     -> q [T, H, D] rotated; rotated k and v written to their slots
+//                                        (caches in qkv's dtype, or float16 / bfloat16)
 //   silu_mul(gate_up)                 -> silu(gate) * up for gate_up = [gate | up]
 //
 // Rounding follows the PyTorch code they replace (the products of RoPE are rounded to the
@@ -18,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -81,6 +83,46 @@ at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor
   return out;
 }
 
+// q rotated into `q`; k rotated and v copied into their cache slots, converted to the cache's
+// dtype C_ (which may be narrower than T_: a float16 / bfloat16 KV cache under a float32 model).
+template <typename T_, typename C_>
+void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const int64_t* pp,
+                     const int64_t* sp, at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& q, int64_t heads,
+                     int64_t kv_heads) {
+  const int64_t T = qkv.size(0), D = k_cache.size(3), half = D / 2, width = qkv.size(1);
+  const T_* src = qkv.data_ptr<T_>();
+  const T_* cp = cos.data_ptr<T_>();
+  const T_* snp = sin.data_ptr<T_>();
+  T_* qp = q.data_ptr<T_>();
+  C_* kp = k_cache.data_ptr<C_>();
+  C_* vp = v_cache.data_ptr<C_>();
+  // out = x * cos + rotate_half(x) * sin, every product rounded to T_ before the sum
+  auto rotate = [&](const T_* x, const T_* c, const T_* s, auto* out) {
+    using O = std::remove_pointer_t<decltype(out)>;
+    for (int64_t i = 0; i < half; ++i) {
+      const T_ a = round_to<T_>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
+      const T_ b = round_to<T_>(-static_cast<float>(x[i + half]) * static_cast<float>(s[i]));
+      out[i] = static_cast<O>(static_cast<float>(round_to<T_>(static_cast<float>(a) + static_cast<float>(b))));
+      const T_ a2 = round_to<T_>(static_cast<float>(x[i + half]) * static_cast<float>(c[i + half]));
+      const T_ b2 = round_to<T_>(static_cast<float>(x[i]) * static_cast<float>(s[i + half]));
+      out[i + half] = static_cast<O>(static_cast<float>(round_to<T_>(static_cast<float>(a2) + static_cast<float>(b2))));
+    }
+  };
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T_* row = src + t * width;
+      const T_* c = cp + pp[t] * D;
+      const T_* s = snp + pp[t] * D;
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, qp + (t * heads + h) * D);
+      C_* kdst = kp + sp[t] * kv_heads * D;
+      C_* vdst = vp + sp[t] * kv_heads * D;
+      for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * D, c, s, kdst + h * D);
+      const T_* vsrc = row + (heads + kv_heads) * D;
+      for (int64_t i = 0; i < kv_heads * D; ++i) vdst[i] = static_cast<C_>(static_cast<float>(vsrc[i]));
+    }
+  });
+}
+
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
                           at::Tensor& v_cache, int64_t heads, int64_t kv_heads) {
@@ -97,8 +139,12 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.numel() == T &&
                   slots.numel() == T,
               "positions and slots must be int64 [T]");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&cos, &sin, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv, cos/sin and caches must share a dtype");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv and cos/sin must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == qkv.scalar_type() || k_cache.scalar_type() == at::kHalf ||
+                   k_cache.scalar_type() == at::kBFloat16),
+              "the caches must share qkv's dtype, or both be float16 or bfloat16");
   const int64_t max_pos = cos.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* pp = positions.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -107,39 +153,14 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "cache slot ", sp[t], " out of range");
   }
   auto q = at::empty({T, heads, D}, qkv.options());
-  const int64_t half = D / 2, width = qkv.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache", [&] {
     using T_ = scalar_t;
-    const T_* src = qkv.data_ptr<T_>();
-    const T_* cp = cos.data_ptr<T_>();
-    const T_* snp = sin.data_ptr<T_>();
-    T_* qp = q.data_ptr<T_>();
-    T_* kp = k_cache.data_ptr<T_>();
-    T_* vp = v_cache.data_ptr<T_>();
-    // out = x * cos + rotate_half(x) * sin, every product rounded to T_ before the sum
-    auto rotate = [&](const T_* x, const T_* c, const T_* s, T_* out) {
-      for (int64_t i = 0; i < half; ++i) {
-        const T_ a = round_to<T_>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
-        const T_ b = round_to<T_>(-static_cast<float>(x[i + half]) * static_cast<float>(s[i]));
-        out[i] = round_to<T_>(static_cast<float>(a) + static_cast<float>(b));
-        const T_ a2 = round_to<T_>(static_cast<float>(x[i + half]) * static_cast<float>(c[i + half]));
-        const T_ b2 = round_to<T_>(static_cast<float>(x[i]) * static_cast<float>(s[i + half]));
-        out[i + half] = round_to<T_>(static_cast<float>(a2) + static_cast<float>(b2));
-      }
-    };
-    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const T_* row = src + t * width;
-        const T_* c = cp + pp[t] * D;
-        const T_* s = snp + pp[t] * D;
-        for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, qp + (t * heads + h) * D);
-        T_* kdst = kp + sp[t] * kv_heads * D;
-        T_* vdst = vp + sp[t] * kv_heads * D;
-        for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * D, c, s, kdst + h * D);
-        const T_* vsrc = row + (heads + kv_heads) * D;
-        for (int64_t i = 0; i < kv_heads * D; ++i) vdst[i] = vsrc[i];
-      }
-    });
+    if (k_cache.scalar_type() == qkv.scalar_type())
+      rope_cache_impl<T_, T_>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
+    else if (k_cache.scalar_type() == at::kHalf)
+      rope_cache_impl<T_, at::Half>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
+    else
+      rope_cache_impl<T_, at::BFloat16>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
   });
   return q;
 }

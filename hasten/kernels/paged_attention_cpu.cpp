@@ -3,7 +3,8 @@
 //
 // Layout (all contiguous):
 //   q            [T, H, D]                 new tokens of all sequences, sequence after sequence
-//   k/v_cache    [num_blocks, BS, KVH, D]  the block pool of one layer (new tokens already written)
+//   k/v_cache    [num_blocks, BS, KVH, D]  the block pool of one layer (new tokens already written);
+//                                          q's dtype, or float16 / bfloat16 (a narrower KV cache)
 //   block_tables [S, max_blocks] int32     cache blocks of each sequence
 //   query_start  [S + 1] int64             rows of q owned by sequence s: query_start[s] .. [s+1]
 //   context_lens [S] int64                 tokens in the cache for s, counting its new tokens
@@ -22,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifndef PREFETCH_AHEAD
@@ -200,8 +202,19 @@ inline void update_rows(const float* q, int64_t rows, const float* k, const floa
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  if constexpr (std::is_same_v<T, at::Half>) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {  // bfloat16 is the top half of a float32
+    for (; i + 8 <= n; i += 8) {
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // Ask for the next cache block while this one is being computed on (its rows are scattered in
@@ -235,8 +248,8 @@ struct Shape {
   float scale;
 };
 
-template <typename scalar_t>
-void attend_item(const Item& it, const scalar_t* qp, const scalar_t* kp, const scalar_t* vp, const int32_t* tables,
+template <typename scalar_t, typename cache_t>
+void attend_item(const Item& it, const scalar_t* qp, const cache_t* kp, const cache_t* vp, const int32_t* tables,
                  const int64_t* qstart, const int64_t* ctx_lens, scalar_t* outp, const Shape& sh, Scratch& sc) {
   const int64_t G = sh.G, D = sh.D, BS = sh.BS, H = sh.H;
   const int64_t nh = it.head_end - it.head_begin;
@@ -271,7 +284,7 @@ void attend_item(const Item& it, const scalar_t* qp, const scalar_t* kp, const s
     const float* krows;
     const float* vrows;
     int64_t stride;
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (std::is_same_v<cache_t, float>) {
       krows = kp + base;
       vrows = vp + base;
       stride = cache_row;
@@ -305,7 +318,7 @@ void attend_item(const Item& it, const scalar_t* qp, const scalar_t* kp, const s
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, at::Tensor& out) {
   Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
@@ -334,8 +347,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     Scratch scratch(rows, sh.BS, heads_per_item * sh.D);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-        attend_item<scalar_t>(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), qs,
+        attend_item<scalar_t, cache_t>(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+                              v_cache.data_ptr<cache_t>(), tables.data_ptr<int32_t>(), qs,
                               ctx_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), sh, scratch);
       }
     }
@@ -350,8 +363,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kHalf ||
+                   k_cache.scalar_type() == at::kBFloat16),
+              "the caches must share q's dtype, or both be float16 or bfloat16");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
@@ -377,7 +392,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+    if (k_cache.scalar_type() == q.scalar_type())
+      run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+    else if (k_cache.scalar_type() == at::kHalf)
+      run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+    else
+      run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
   });
   return out;
 }

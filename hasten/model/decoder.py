@@ -124,8 +124,8 @@ class Decoder:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             flat_k = k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
             flat_v = v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
+            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
             attn = paged_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale)
             h = h + lw.o_proj(attn)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)

@@ -166,8 +166,8 @@ def paged_attention(
         b, lq = g.token_index.shape
         flat_tables = g.block_tables.view(-1)
         lk = g.block_tables.shape[1] * k_cache.shape[1]
-        k = k_cache.index_select(0, flat_tables)  # [B*nb, bs, KVH, D]
-        v = v_cache.index_select(0, flat_tables)
+        k = k_cache.index_select(0, flat_tables).to(q.dtype)  # [B*nb, bs, KVH, D]
+        v = v_cache.index_select(0, flat_tables).to(q.dtype)
         k = k.view(b, lk, num_kv_heads, head_dim).transpose(1, 2)
         v = v.view(b, lk, num_kv_heads, head_dim).transpose(1, 2)
         qg = q.index_select(0, g.token_index.view(-1)).view(b, lq, num_heads, head_dim)

@@ -33,6 +33,7 @@ ENGINE_FLAGS = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "max_waiting_requests": "max_waiting_requests",
     "kv_cache_memory_gb": "kv_cache_memory_gb",
+    "kv_cache_dtype": "kv_cache_dtype",
     "num_kv_blocks": "num_kv_blocks",
     "scheduling_policy": "scheduling_policy",
     "num_threads": "num_threads",
@@ -61,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-waiting-requests", type=int, help="queue limit; beyond it requests get 429")
     p.add_argument("--kv-cache-memory-gb", type=float)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="KV cache element type (default auto = the model dtype; float16 halves its bytes)")
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     p.add_argument("--num-threads", type=int)

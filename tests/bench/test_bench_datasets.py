@@ -21,6 +21,17 @@ def test_same_seed_same_requests_other_seed_differs() -> None:
         assert all(s not in a for s in warmup_workload(cfg, 3))
 
 
+def test_shared_prefix_warmup_warms_every_measured_prefix() -> None:
+    cfg = WorkloadConfig(dataset="shared-prefix", num_requests=30, input_len=8, output_len=4, seed=3,
+                         prefix_len=40, num_prefixes=4)
+    measured = build_workload(cfg)
+    system = {s.messages[0]["content"] for s in measured}
+    warm = warmup_workload(cfg, 4)
+    assert {s.messages[0]["content"] for s in warm} == system  # all four, one request each
+    assert not {s.prompt for s in warm} & {s.prompt for s in measured}  # other questions
+    assert build_workload(cfg) == measured  # the measured requests do not change
+
+
 def test_random_lengths_within_range() -> None:
     specs = build_workload(WorkloadConfig(num_requests=200, input_len=100, output_len=50, range_ratio=0.2))
     assert all(80 <= s.prompt_len <= 120 and 40 <= s.output_len <= 60 for s in specs)

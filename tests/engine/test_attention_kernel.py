@@ -74,6 +74,23 @@ def test_kernel_matches_reference(case, dtype, threads):
     assert (got.double() - want).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES[:3] + CASES[5:], ids=["case0", "case1", "case2", "case5", "case6"])
+def test_float32_queries_over_a_narrow_cache(case, cache_dtype):
+    """kv_cache_dtype float16/bfloat16 under a float32 model: exact attention over the stored values."""
+    ctx, new, heads, kv_heads, head_dim, block_size = case
+    gen = torch.Generator().manual_seed(len(ctx) * 31 + head_dim)
+    q, k, v, tables, qs, cl = make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, torch.float32)
+    k, v = k.to(cache_dtype), v.to(cache_dtype)
+    got = cpu_attention.paged_attention(q, k, v, tables, qs, cl, head_dim**-0.5)
+    assert got.dtype == torch.float32
+    want = reference(q, k, v, tables, qs, cl, head_dim**-0.5)  # the reference reads the same rounded values
+    assert (got.double() - want).abs().max().item() < 2e-5
+    meta = layers.AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=tables,
+                                    query_start=qs, context_lens=cl)
+    assert torch.equal(layers.paged_attention(q, k, v, meta, kv_heads, head_dim**-0.5), got)
+
+
 def test_kernel_matches_sdpa_path():
     """Both attention backends of hasten.model.layers agree on the same metadata."""
     gen = torch.Generator().manual_seed(7)

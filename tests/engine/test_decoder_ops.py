@@ -59,6 +59,26 @@ def test_rope_and_cache(dtype, tol, heads, kv_heads, head_dim, tokens):
     assert not k_flat[untouched].any() and not v_flat[untouched].any()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_rope_into_a_narrow_cache(cache_dtype):
+    """A float32 model writing a float16/bfloat16 KV cache: the float32 result, rounded once."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, tokens, bs = 9, 3, 64, 7, 16
+    angles = torch.rand(128, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    positions = torch.randint(0, 128, (tokens,), generator=gen)
+    slots = torch.randperm(4 * bs, generator=gen)[:tokens]
+    k32, v32 = torch.zeros(4, bs, kv_heads, d), torch.zeros(4, bs, kv_heads, d)
+    q32 = ops.rope_and_cache(qkv, cos, sin, positions, slots, k32, v32, heads, kv_heads)
+    k16, v16 = k32.new_zeros(k32.shape, dtype=cache_dtype), v32.new_zeros(v32.shape, dtype=cache_dtype)
+    q16 = ops.rope_and_cache(qkv, cos, sin, positions, slots, k16, v16, heads, kv_heads)
+    assert torch.equal(q16, q32)
+    assert torch.equal(k16, k32.to(cache_dtype)) and torch.equal(v16, v32.to(cache_dtype))
+    with pytest.raises(RuntimeError, match="caches"):
+        ops.rope_and_cache(qkv, cos, sin, positions, slots, k16, v32, heads, kv_heads)
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_silu_mul(dtype, tol):
     gen = torch.Generator().manual_seed(0)

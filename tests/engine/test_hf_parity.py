@@ -63,6 +63,30 @@ def test_prompt_logprobs_match_transformers(tiny_models, arch):
                 assert abs(got[t] - v) < 1e-3
 
 
+@pytest.mark.parametrize("backend", ["cpp", "sdpa"])
+def test_float16_kv_cache_stays_close_to_transformers(tiny_models, backend):
+    """kv_cache_dtype="float16" (half the KV bytes): prompt logprobs within 2e-2 of transformers',
+    greedy continuations equal to the float32 cache's on most prompts."""
+    if backend == "cpp" and cpu_attention.load() is None:
+        pytest.skip("C++ kernel cannot be built here")
+    path = tiny_models("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(4, hf.config.vocab_size, seed=9, min_len=20, max_len=120)
+    opts = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=64, attention_backend=backend,
+                fused_decoder_ops=backend == "cpp")
+    llm = LLM(path, kv_cache_dtype="float16", **opts)
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float16
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+        for i in range(1, len(p)):
+            assert abs(out.prompt_logprobs[i][p[i]] - logp[i - 1, p[i]].item()) < 2e-2
+    ref = hf_greedy(hf, prompts, 16)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    assert sum(g == r for g, r in zip(got, ref, strict=True)) >= 3
+
+
 def test_sample_logprobs_match_transformers(tiny_models):
     path = tiny_models("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -54,7 +54,7 @@ class DraftModelProposer:
         bs = engine.config.block_size
         num_blocks = engine.kv.pool.num_blocks
         self.kv = KVCacheManager(num_blocks, bs, engine.config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, engine.dtype, engine.attention_backend)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, engine.kv_dtype, engine.attention_backend)
         self.sampler = engine.sampler
         self.shadows: dict[str, Request] = {}
         self.name = f"draft:{folder.name}"
