@@ -78,9 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
                    help="any other engine option (value parsed as a Python literal if possible)")
-    p.add_argument("--engine-mode", choices=list(ENGINE_MODES), default="thread",
-                   help="where the engine loop runs: a thread of the server process (default) or a child "
-                        "process (on CPU, give it --num-threads: see docs/server.md)")
+    p.add_argument("--engine-mode", choices=list(ENGINE_MODES), default="process",
+                   help="where the engine loop runs: a child process (default: HTTP work and the GIL never "
+                        "delay a step) or a thread of the server process (see docs/server.md)")
     p.add_argument("--engine-factory", default=None,
                    help="MODULE:CALLABLE(model, **options) building the engine; overrides --engine-mode "
                         "(for tests and experiments)")
