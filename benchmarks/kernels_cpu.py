@@ -3,10 +3,12 @@
     python benchmarks/kernels_cpu.py [--threads 2] [--repeats 5] [--skip-engine]
 
 1. paged attention, 64 decode sequences (contexts 32-700, SmolLM2 heads: 9 q / 3 kv, D=64,
-   blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA;
+   blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA, and the
+   kernel over a float16 copy of the cache (kv_cache_dtype=float16);
 2. one 512-token causal prefill: kernel vs SDPA;
 3. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
    activations), hasten-q8 (int8 activations), aten int4pack (bf16 activations), fp32 oneDNN;
+   int8 lm_head (49152 x 576) at 1 and 16 rows: hasten vs aten int8pack;
 4. (unless --skip-engine) batch-1 decode of SmolLM2 fp32 with the fused decoder glue on/off.
 Each timing is the best of --repeats rounds; the machine is noisy, read the ratios.
 """
@@ -32,7 +34,7 @@ def best_ms(fn, repeats: int, inner: int) -> float:
     return best * 1e3
 
 
-def attention_decode(repeats: int) -> tuple[float, float]:
+def attention_decode(repeats: int) -> tuple[float, float, float]:
     from hasten.engine.model_runner import ModelRunner
     from hasten.kernels import cpu_attention
     from hasten.model.layers import AttentionMetadata, paged_attention
@@ -55,7 +57,9 @@ def attention_decode(repeats: int) -> tuple[float, float]:
     assert cpu_attention.load() is not None
     kernel = best_ms(lambda: paged_attention(q, k_cache, v_cache, flat, kvh, 0.125), repeats, 10)
     sdpa = best_ms(lambda: paged_attention(q, k_cache, v_cache, padded, kvh, 0.125), repeats, 10)
-    return kernel, sdpa
+    k16, v16 = k_cache.half(), v_cache.half()
+    half = best_ms(lambda: paged_attention(q, k16, v16, flat, kvh, 0.125), repeats, 10)
+    return kernel, sdpa, half
 
 
 def attention_prefill(repeats: int) -> tuple[float, float]:
@@ -90,6 +94,16 @@ def int4_layers(repeats: int, rows: int) -> dict[str, float]:
     return totals
 
 
+def int8_lm_head(repeats: int, rows: int) -> dict[str, float]:
+    from hasten.quant.formats import quantize_int8
+    from hasten.quant.kernels import Int8Linear
+
+    gen = torch.Generator().manual_seed(1)
+    qw = quantize_int8(torch.randn(49152, 576, generator=gen))
+    x = torch.randn(rows, 576, generator=gen)
+    return {k: best_ms(lambda layer=Int8Linear(qw, 64, k): layer(x), repeats, 5) for k in ("hasten", "torch")}
+
+
 def engine_batch1(repeats: int) -> dict[str, float]:
     from hasten import LLM, SamplingParams
 
@@ -113,9 +127,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads={torch.get_num_threads()}  (best of {args.repeats}; ratio = PyTorch path / hasten kernel)")
-    kernel, sdpa = attention_decode(args.repeats)
+    kernel, sdpa, half = attention_decode(args.repeats)
     print(f"attention, 64 decode seqs, one layer : kernel {kernel:7.2f} ms  gather+SDPA {sdpa:7.2f} ms  "
-          f"ratio {sdpa / kernel:5.2f}x")
+          f"ratio {sdpa / kernel:5.2f}x;  float16 cache {half:7.2f} ms ({kernel / half:4.2f}x the float32 cache)")
     kernel, sdpa = attention_prefill(args.repeats)
     print(f"attention, 512-token prefill, 1 layer: kernel {kernel:7.2f} ms  SDPA        {sdpa:7.2f} ms  "
           f"ratio {sdpa / kernel:5.2f}x")
@@ -125,6 +139,10 @@ def main() -> None:
         print(f"int4 matmuls of one layer, {rows:>2} rows : {cells}  "
               f"aten/hasten {t['aten-int4'] / t['hasten']:4.2f}x  aten/hasten-q8 {t['aten-int4'] / t['hasten-q8']:4.2f}x  "
               f"fp32/hasten-q8 {t['fp32'] / t['hasten-q8']:4.2f}x")
+    for rows in (1, 16):
+        t = int8_lm_head(args.repeats, rows)
+        print(f"int8 lm_head 49152x576, {rows:>2} rows    : hasten {t['hasten']:6.2f} ms  aten int8pack "
+              f"{t['torch']:6.2f} ms  ratio {t['torch'] / t['hasten']:4.2f}x")
     if not args.skip_engine:
         r = engine_batch1(args.repeats)
         print(f"SmolLM2 fp32 batch-1 decode: fused glue {r['fused']:6.1f} tok/s  PyTorch ops {r['pytorch ops']:6.1f} "

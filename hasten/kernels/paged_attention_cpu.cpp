@@ -99,10 +99,23 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
 }
 
+// 8 cache values widened to float32 as they are loaded (no conversion pass over the block).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
 // NR query rows (D floats apart) against n keys; scores go to s[r * s_stride + j].
-// NK keys per pass so each loaded key chunk feeds NR fused multiply-adds.
-template <int NR, int NK>
-inline void scores_avx2(const float* q, const float* k, int64_t stride, int64_t n, int64_t D, float* s,
+// NK keys per pass so each loaded key chunk feeds NR fused multiply-adds; with NK = 4 the four
+// sums of a row are reduced together (two rounds of horizontal adds) instead of one by one.
+template <int NR, int NK, typename C>
+inline void scores_avx2(const float* q, const C* k, int64_t stride, int64_t n, int64_t D, float* s,
                         int64_t s_stride) {
   int64_t j = 0;
   for (; j + NK <= n; j += NK) {
@@ -111,7 +124,7 @@ inline void scores_avx2(const float* q, const float* k, int64_t stride, int64_t 
       for (int c = 0; c < NK; ++c) a[r][c] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       __m256 kv[NK];
-      for (int c = 0; c < NK; ++c) kv[c] = _mm256_loadu_ps(k + (j + c) * stride + d);
+      for (int c = 0; c < NK; ++c) kv[c] = load8(k + (j + c) * stride + d);
       for (int r = 0; r < NR; ++r) {
         const __m256 qv = _mm256_loadu_ps(q + r * D + d);
         for (int c = 0; c < NK; ++c) a[r][c] = _mm256_fmadd_ps(qv, kv[c], a[r][c]);
@@ -129,32 +142,51 @@ inline void scores_avx2(const float* q, const float* k, int64_t stride, int64_t 
   for (; j < n; ++j) {
     for (int r = 0; r < NR; ++r) {
       __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8)
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), _mm256_loadu_ps(k + j * stride + d), a);
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), load8(k + j * stride + d), a);
       s[r * s_stride + j] = hsum(a);
     }
   }
 }
 
-// acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v[j] for NR rows; each value chunk is loaded once.
-template <int NR>
-inline void accumulate_avx2(const float* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
+// acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v[j] for NR rows. VC vectors of d per pass stay in
+// registers across all n keys, so each key costs NR broadcasts and VC loads for NR * VC FMAs.
+template <int NR, typename C>
+inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
                             const float* corr, float* acc) {
-  for (int64_t d = 0; d < D; d += 8) {
+  constexpr int VC = NR <= 3 ? 4 : 2;
+  int64_t d = 0;
+  for (; d + 8 * VC <= D; d += 8 * VC) {
+    __m256 a[NR][VC];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < VC; ++c)
+        a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * c), _mm256_set1_ps(corr[r]));
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 pv[NR];
+      for (int r = 0; r < NR; ++r) pv[r] = _mm256_set1_ps(p[r * p_stride + j]);
+      const C* vr = v + j * stride + d;
+      for (int c = 0; c < VC; ++c) {
+        const __m256 vv = load8(vr + 8 * c);
+        for (int r = 0; r < NR; ++r) a[r][c] = _mm256_fmadd_ps(pv[r], vv, a[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < VC; ++c) _mm256_storeu_ps(acc + r * D + d + 8 * c, a[r][c]);
+  }
+  for (; d < D; d += 8) {
     __m256 a[NR];
     for (int r = 0; r < NR; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(corr[r]));
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 vv = _mm256_loadu_ps(v + j * stride + d);
+      const __m256 vv = load8(v + j * stride + d);
       for (int r = 0; r < NR; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * p_stride + j]), vv, a[r]);
     }
     for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc + r * D + d, a[r]);
   }
 }
 
-template <int NR>
-inline void update_rows_avx2(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t D,
+template <int NR, typename C>
+inline void update_rows_avx2(const float* q, const C* k, const C* v, int64_t stride, int64_t n, int64_t D,
                              float* s, int64_t s_stride, float* m, float* l, float* acc) {
-  constexpr int NK = NR <= 2 ? 4 : 2;
+  constexpr int NK = NR <= 3 ? 4 : 2;
   scores_avx2<NR, NK>(q, k, stride, n, D, s, s_stride);
   float corr[NR];
   for (int r = 0; r < NR; ++r) {
@@ -175,9 +207,24 @@ inline void update_rows_avx2(const float* q, const float* k, const float* v, int
 }
 #endif
 
-// `rows` query rows (D floats apart) that see the same `n` keys/values (rows `stride` floats
+// Whether update_rows reads a cache of type C in place (else attend_item widens it to float first).
+template <typename C>
+constexpr bool reads_in_place() {
+  if constexpr (std::is_same_v<C, float>) return true;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<C, at::BFloat16>) return true;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<C, at::Half>) return true;
+#endif
+#endif
+  return false;
+}
+
+// `rows` query rows (D floats apart) that see the same `n` keys/values (rows `stride` values
 // apart): online-softmax update of their running max m, sum l and output accumulators acc.
-inline void update_rows(const float* q, int64_t rows, const float* k, const float* v, int64_t stride, int64_t n,
+// C is float, or (in-place readers only, D % 8 == 0) the narrower cache type.
+template <typename C>
+inline void update_rows(const float* q, int64_t rows, const C* k, const C* v, int64_t stride, int64_t n,
                         int64_t D, float* s, int64_t s_stride, float* m, float* l, float* acc) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0) {
@@ -196,8 +243,12 @@ inline void update_rows(const float* q, int64_t rows, const float* k, const floa
     return;
   }
 #endif
-  for (int64_t r = 0; r < rows; ++r)
-    update_row_generic(q + r * D, k, v, stride, n, D, s + r * s_stride, m[r], l[r], acc + r * D);
+  if constexpr (std::is_same_v<C, float>) {
+    for (int64_t r = 0; r < rows; ++r)
+      update_row_generic(q + r * D, k, v, stride, n, D, s + r * s_stride, m[r], l[r], acc + r * D);
+  } else {
+    TORCH_CHECK(false, "internal: narrow cache reached the portable attention path");
+  }
 }
 
 template <typename T>
@@ -281,31 +332,31 @@ void attend_item(const Item& it, const scalar_t* qp, const cache_t* kp, const ca
     if (b + kPrefetchAhead < nblocks)
       prefetch_block(kp, vp, (static_cast<int64_t>(table[b + kPrefetchAhead]) * BS * sh.KVH + it.head_begin) * D, BS,
                      cache_row, nh * D);
-    const float* krows;
-    const float* vrows;
-    int64_t stride;
-    if constexpr (std::is_same_v<cache_t, float>) {
-      krows = kp + base;
-      vrows = vp + base;
-      stride = cache_row;
-    } else {
+    auto attend_block = [&](const auto* krows, const auto* vrows, int64_t stride) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        // keys this token may see inside the block (causal limit)
+        const int64_t visible = std::min<int64_t>(in_block, first_pos + it.q_begin + t - key0 + 1);
+        if (visible <= 0) continue;
+        for (int64_t h = 0; h < nh; ++h) {
+          const int64_t r = t * token_rows + h * G;
+          update_rows(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
+                      sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D);
+        }
+      }
+    };
+    bool done = false;
+    if constexpr (reads_in_place<cache_t>()) {
+      if (std::is_same_v<cache_t, float> || D % 8 == 0) {
+        attend_block(kp + base, vp + base, cache_row);
+        done = true;
+      }
+    }
+    if (!done) {  // portable path over another cache type: widen this block first
       for (int64_t j = 0; j < in_block; ++j) {
         to_float(kp + base + j * cache_row, sc.k.data() + j * nh * D, nh * D);
         to_float(vp + base + j * cache_row, sc.v.data() + j * nh * D, nh * D);
       }
-      krows = sc.k.data();
-      vrows = sc.v.data();
-      stride = nh * D;
-    }
-    for (int64_t t = 0; t < tokens; ++t) {
-      // keys this token may see inside the block (causal limit)
-      const int64_t visible = std::min<int64_t>(in_block, first_pos + it.q_begin + t - key0 + 1);
-      if (visible <= 0) continue;
-      for (int64_t h = 0; h < nh; ++h) {
-        const int64_t r = t * token_rows + h * G;
-        update_rows(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
-                    sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D);
-      }
+      attend_block(sc.k.data(), sc.v.data(), nh * D);
     }
   }
   for (int64_t t = 0; t < tokens; ++t) {
