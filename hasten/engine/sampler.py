@@ -8,6 +8,7 @@ are those of the raw model distribution (before any processing).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hasten.engine.request import Request
 from hasten.outputs import TokenLogprobs
@@ -59,6 +60,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+_CHUNK = 256  # tokens per first-level step of Sampler.draw
+
+
 class Sampler:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -69,7 +73,11 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Logits processors, min_tokens and penalties, on a copy. Each row's context is its request's outputs."""
+        """Logits processors, min_tokens and penalties, on a copy (the input itself when no row needs
+        any of them: it is only read afterwards). Each row's context is its request's outputs."""
+        if not any(r.params.logits_processors or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
+                   for r in reqs):
+            return logits
         logits = logits.clone()
         for i, r in enumerate(reqs):
             for proc in r.params.logits_processors:
@@ -106,6 +114,35 @@ class Sampler:
     def uniform_for(self, req: Request) -> float:
         return float(torch.rand((), generator=req.generator or self.generator))
 
+    def draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One token per row of `probs` by inverse CDF: a uniform u per row (from the request's own
+        generator when it has a seed, so its draws do not depend on the rest of the batch) picks
+        the first token whose cumulative probability exceeds u * total. One random number per row
+        (an exponential race needs one per vocabulary entry). Two levels, so only sums are taken
+        over the whole vocabulary: the chunk of 256 tokens holding u (cumulative chunk sums), then
+        the token inside it (chunk sums in float32, cumulative sums in float64). A token of
+        probability 0 is never picked."""
+        n, vocab = probs.shape
+        u = torch.empty(n, 1, dtype=torch.float64)
+        unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), 1, generator=self.generator, dtype=torch.float64)
+        for j, r in enumerate(reqs):
+            if r.generator is not None:
+                u[j] = torch.rand((), generator=r.generator, dtype=torch.float64)
+        pad = -vocab % _CHUNK
+        chunks = (F.pad(probs, (0, pad)) if pad else probs).view(n, -1, _CHUNK)
+        sums = chunks.sum(-1).double()
+        ccdf = sums.cumsum(-1)
+        target = u * ccdf[:, -1:]
+        last_chunk = (ccdf < ccdf[:, -1:]).sum(-1, keepdim=True)  # the last chunk with any mass
+        c = torch.minimum(torch.searchsorted(ccdf, target, right=True), last_chunk)
+        inner = chunks[torch.arange(n), c.squeeze(1)].double().cumsum(-1)
+        last_token = (inner < inner[:, -1:]).sum(-1, keepdim=True)  # the chunk's last token with mass
+        k = torch.minimum(torch.searchsorted(inner, target - (ccdf.gather(1, c) - sums.gather(1, c)), right=True),
+                          last_token)
+        return (c * _CHUNK + k).squeeze(1)
+
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [n, V] float32, one row per request. Returns tokens and (optional) logprobs."""
         raw = logits
@@ -116,18 +153,12 @@ class Sampler:
             idx = torch.tensor(greedy)
             tokens[idx] = logits[idx].argmax(-1)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if rand:
+        if len(rand) == len(reqs):  # no row copies when every request samples
+            tokens = self.draw(self.probs(logits, reqs), reqs)
+        elif rand:
             idx = torch.tensor(rand)
             probs = self.probs(logits[idx], [reqs[i] for i in rand])
-            # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-            noise = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(rand) if reqs[i].generator is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
-            for j, i in enumerate(rand):
-                if reqs[i].generator is not None:
-                    noise[j].exponential_(generator=reqs[i].generator)
-            tokens[idx] = (probs / noise.clamp_(min=1e-30)).argmax(-1)
+            tokens[idx] = self.draw(probs, [reqs[i] for i in rand])
         token_list = tokens.tolist()
         return token_list, logprobs_for(raw, reqs, token_list)
 

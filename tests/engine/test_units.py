@@ -73,9 +73,25 @@ def test_sampling_follows_the_distribution():
     toks, _ = sampler.sample(logits, reqs)
     freq = torch.bincount(torch.tensor(toks), minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
+    # tokens outside top-k are never drawn, the kept ones keep their relative odds
+    toks, _ = sampler.sample(logits, [_req(SamplingParams(temperature=1.0, top_k=2)) for _ in range(4000)])
+    freq = torch.bincount(torch.tensor(toks), minlength=4).float() / 4000
+    assert freq[2:].sum() == 0 and abs(freq[0].item() - 0.625) < 0.03
     # temperature -> 0 is greedy
     toks, _ = sampler.sample(logits[:3], [_req(SamplingParams(temperature=0)) for _ in range(3)])
     assert toks == [0, 0, 0]
+
+
+def test_inverse_cdf_draw_frequencies_and_zero_mass():
+    """Sampler.draw over a vocabulary that is not a multiple of its chunk, mass in 4 tokens spread
+    over several chunks: frequencies follow the probabilities, zero-probability tokens never come."""
+    sampler = Sampler(1000)
+    probs = torch.zeros(1000)
+    probs[[3, 300, 511, 999]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    reqs = [_req(SamplingParams(temperature=1.0)) for _ in range(20000)]
+    freq = torch.bincount(sampler.draw(probs.repeat(20000, 1), reqs), minlength=1000).float() / 20000
+    assert torch.allclose(freq[[3, 300, 511, 999]], probs[[3, 300, 511, 999]], atol=0.015)
+    assert freq.sum().item() == pytest.approx(1.0) and freq[[3, 300, 511, 999]].sum().item() == pytest.approx(1.0)
 
 
 def test_block_pool_lru_and_refcounts():
