@@ -56,10 +56,12 @@ def llama_cmd(binary: str, gguf: Path, port: int, slots: int, args: argparse.Nam
             "-cb", "-t", str(args.threads), "-c", str(args.ctx_per_slot * slots)]
 
 
-def campaign_config(targets: list[Target], args: argparse.Namespace) -> CampaignConfig:
+def campaign_config(targets: list[Target], args: argparse.Namespace, phase: int) -> CampaignConfig:
+    # every phase (and every point inside one) gets its own questions under the same 4 system
+    # prompts, so no server finds a later point's exact prompts in its cache
     workload = WorkloadConfig(dataset="shared-prefix", num_requests=args.num_requests, input_len=args.input_len,
                               output_len=args.output_len, num_prefixes=args.num_prefixes,
-                              prefix_len=args.prefix_len, seed=args.seed)
+                              prefix_len=args.prefix_len, seed=args.seed + 104729 * phase, prefix_seed=args.seed)
     client = ClientOptions(endpoint="chat", ignore_eos=True, timeout=args.request_timeout)
     return CampaignConfig(targets=targets, workload=workload, client=client,
                           run=RunOptions(max_duration=args.max_duration, seed=args.seed),
@@ -115,7 +117,7 @@ def main() -> int:
         phases: list[tuple[int, list[LoadPoint], bool]] = [
             (c, [LoadPoint(f"concurrency {c}", concurrency=c)], False) for c in args.concurrency]
         phases.append((max(args.concurrency), [], True))  # Poisson sweep, -np = max concurrency
-        for slots, points, sweep in phases:
+        for phase, (slots, points, sweep) in enumerate(phases):
             targets = [hasten]
             llama = None
             if llama_bin is not None:
@@ -124,7 +126,7 @@ def main() -> int:
                 servers.append(llama)
                 llama.start(args.startup_timeout)
                 targets.insert(0, Target("llama.cpp", llama.url, served_model(llama.url)))  # ratio baseline
-            cfg = campaign_config(targets, args)
+            cfg = campaign_config(targets, args, phase)
             cfg.points, cfg.sweep = points, sweep
             campaign = Campaign(cfg)
             try:

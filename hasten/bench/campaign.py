@@ -5,6 +5,9 @@ slice every target runs it in turn, the order rotating from slice to slice and p
 point. Background noise therefore lands on all targets alike, and each target gets exactly
 the same requests. A target's slices are pooled into one result per point.
 
+Each point after the first gets requests of its own (workload seed + point number, same
+shared-prefix system prompts), so no point replays prompts an earlier one left in a cache.
+
 Sweep: measure the synchronous rate (concurrency 1) and the saturation throughput (max
 concurrency, infinite rate), then open-loop rates evenly spaced strictly between them. In a
 comparison the in-between rates span [min sync rate, max saturation rate] over all targets,
@@ -39,6 +42,9 @@ class CampaignConfig:
     sweep_points: int = 4
     sweep_max_concurrency: int | None = None
     burstiness: float = 1.0
+    # each load point gets its own requests (workload seed + point number; the shared-prefix
+    # system prompts stay the same), so a server's cache never holds a later point's exact prompts
+    fresh_requests_per_point: bool = True
     tokenizer: TokenCounter | None = None
     log: Callable[[str], None] = field(default=lambda msg: None, repr=False)
 
@@ -101,15 +107,23 @@ class Campaign:
             raise ValueError("no target")
         self.cfg = cfg
         self.clients = {t.name: BenchClient(t, cfg.client, cfg.tokenizer) for t in cfg.targets}
-        self.specs = build_workload(cfg.workload, tok=cfg.tokenizer)
+        self.specs = build_workload(cfg.workload, tok=cfg.tokenizer)  # the first point's requests
         self.warm_specs = warmup_workload(cfg.workload, cfg.warmup, cfg.tokenizer)
         self.results: list[PointResult] = []
         self._n_points = 0
 
+    def point_specs(self, n: int) -> list[RequestSpec]:
+        """Requests of the n-th load point (every target gets the same ones)."""
+        wl = self.cfg.workload
+        if n == 0 or not self.cfg.fresh_requests_per_point:
+            return self.specs
+        prefix_seed = wl.seed if wl.prefix_seed is None else wl.prefix_seed
+        return build_workload(replace(wl, seed=wl.seed + 7919 * n, prefix_seed=prefix_seed), tok=self.cfg.tokenizer)
+
     async def run_point(self, point: LoadPoint) -> list[PointResult]:
         cfg = self.cfg
         targets = cfg.targets
-        slices = split_rounds(self.specs, cfg.rounds)
+        slices = split_rounds(self.point_specs(self._n_points), cfg.rounds)
         pooled: dict[str, RunResult] = {}
         for r, chunk in enumerate(slices):
             shift = (self._n_points + r) % len(targets)

@@ -31,6 +31,19 @@ def test_split_rounds_keeps_dependencies_inside_a_slice() -> None:
             assert s.depends_on is None or 0 <= s.depends_on < i
 
 
+def test_each_point_gets_its_own_requests_with_the_same_system_prompts() -> None:
+    wl = WorkloadConfig(dataset="shared-prefix", num_requests=12, input_len=8, output_len=4, prefix_len=30,
+                        num_prefixes=3, seed=4)
+    camp = Campaign(CampaignConfig(targets=[Target("t", "http://127.0.0.1:9", "m")], workload=wl))
+    first, second = camp.point_specs(0), camp.point_specs(1)
+    assert first == build_workload(wl) and second == camp.point_specs(1)  # deterministic
+    assert not {s.prompt for s in first} & {s.prompt for s in second}
+    system = {s.messages[0]["content"] for s in first}
+    assert {s.messages[0]["content"] for s in second} <= system
+    camp.cfg.fresh_requests_per_point = False
+    assert camp.point_specs(1) == first
+
+
 async def _campaign(cfg: CampaignConfig, servers: list[FakeServer]) -> Campaign:
     for s in servers:
         await s.start()
