@@ -1,7 +1,8 @@
 // Weight-only int4 and int8 linears on the CPU: y = x W^T with float32 activations.
 //
 // int8 (hasten.quant.formats.Int8Weight, also GGUF Q8_0 rows): qweight int8 [N, K], scales float32
-// [N]: w[n, k] = q[n, k] * scale[n]; always through the blocked path below (int8_linear).
+// [N]: w[n, k] = q[n, k] * scale[n]; a dot-product kernel for one row of x, else the blocked path
+// below (int8_linear).
 //
 // Weight layout (hasten.quant.formats.Int4Weight, also GGUF Q4_0/Q4_1 after conversion):
 //   codes  uint8 [N, K / 2]   value k of row n in nibble k % 2 (low nibble first) of byte k / 2
@@ -469,6 +470,23 @@ void dequant_rows_int8(const int8_t* q, const float* scales, int64_t rows, int64
 }
 }  // namespace
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One row of x (batch-1 decode): each weight row is read once, widened in registers and dotted with
+// x; 4 accumulators hide the FMA latency. No dequantized copy is written.
+float int8_dot_row(const float* x, const int8_t* q, int64_t K) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + 8 * j));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_loadu_ps(x + k + 8 * j), acc[j]);
+    }
+  float total = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (; k < K; ++k) total += static_cast<float>(q[k]) * x[k];
+  return total;
+}
+#endif
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
@@ -482,6 +500,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int8_t* qp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__)
+  if (M == 1) {
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) yp[n] = int8_dot_row(xp, qp + n * K, K) * sp[n];
+    });
+    return y;
+  }
+#endif
   const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     auto w = at::empty({kGemmBlock, K}, x.options());  // an ordinary tensor (see int4_linear_gemm)
