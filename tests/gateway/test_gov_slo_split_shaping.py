@@ -59,9 +59,9 @@ def test_slo_degrades_step_by_step_and_recovers_with_hysteresis() -> None:
 def test_slo_in_gateway_metrics_and_degradation() -> None:
     config = {"models": [{"name": "m", "backends": ["@big"]}, {"name": "s", "backends": ["@small"]}],
               "tenants": [{"name": "web", "key": "sk-web"}, {"name": "bulk", "key": "sk-bulk", "priority": "sheddable"}],
-              "slo": [{"name": "chat", "model": "m", "ttft_ms": 50, "target": 0.9, "window_s": 30,
+              "slo": [{"name": "chat", "model": "m", "ttft_ms": 100, "target": 0.9, "window_s": 30,
                        "min_requests": 4, "step_s": 0, "small_model": "s", "max_tokens_cap": 2}]}
-    backends = {"big": FakeBackendOptions(name="big", tokens=3, ttft_ms=120, interval_ms=1),
+    backends = {"big": FakeBackendOptions(name="big", tokens=3, ttft_ms=250, interval_ms=1),
                 "small": FakeBackendOptions(name="small", tokens=3, interval_ms=1)}
 
     async def run() -> None:
