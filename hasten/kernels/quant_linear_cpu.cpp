@@ -413,6 +413,32 @@ void block_gemm(const float* xp, int64_t M, int64_t K, const float* w, int64_t r
   }
 }
 #endif
+
+// y [M, N] = x W^T, W produced kGemmBlock rows at a time by dequant(n0, rows, w) into a float32
+// buffer per task (in x's k order), multiplied by the register tiles or, from kLibraryGemmRows
+// rows of x on, the library GEMM. Tensors made in the tasks are ordinary ones even when the
+// caller is in inference mode (that mode is per thread), so y is filled by memcpy, not by torch.
+template <typename Dequant>
+void gemm_over_blocks(const at::Tensor& x, int64_t N, float* yp, const Dequant& dequant) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    auto w = at::empty({kGemmBlock, K}, x.options());
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
+      dequant(n0, rows, w.data_ptr<float>());
+#if defined(__AVX2__) && defined(__FMA__)
+      if (M < kLibraryGemmRows && K % 8 == 0) {
+        block_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
+        continue;
+      }
+#endif
+      const auto part = at::mm(x, w.narrow(0, 0, rows).t()).contiguous();  // [M, rows]
+      const float* pp = part.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(float));
+    }
+  });
+}
 }  // namespace
 
 at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -427,25 +453,8 @@ at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const 
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
-  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    // Tensors made here are ordinary ones even when the caller is in inference mode (that mode is
-    // per thread), so nothing made by the caller is written through torch: y is filled by memcpy.
-    auto w = at::empty({kGemmBlock, K}, x.options());
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
-      dequant_rows(cp + n0 * (K / 2), sp + n0 * G, mp + n0 * G, rows, K, group, w.data_ptr<float>());
-#if defined(__AVX2__) && defined(__FMA__)
-      if (M < kLibraryGemmRows) {
-        block_gemm(xp.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
-        continue;
-      }
-#endif
-      const auto part = at::mm(xp, w.narrow(0, 0, rows).t()).contiguous();  // [M, rows]
-      const float* pp = part.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(float));
-    }
+  gemm_over_blocks(xp, N, y.data_ptr<float>(), [&](int64_t n0, int64_t rows, float* w) {
+    dequant_rows(cp + n0 * (K / 2), sp + n0 * G, mp + n0 * G, rows, K, group, w);
   });
   return y;
 }
@@ -509,22 +518,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     return y;
   }
 #endif
-  const int64_t blocks = (N + kGemmBlock - 1) / kGemmBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    auto w = at::empty({kGemmBlock, K}, x.options());  // an ordinary tensor (see int4_linear_gemm)
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
-      dequant_rows_int8(qp + n0 * K, sp + n0, rows, K, w.data_ptr<float>());
-#if defined(__AVX2__) && defined(__FMA__)
-      if (M < kLibraryGemmRows && K % 8 == 0) {
-        block_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
-        continue;
-      }
-#endif
-      const auto part = at::mm(x, w.narrow(0, 0, rows).t()).contiguous();
-      const float* pp = part.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, pp + m * rows, rows * sizeof(float));
-    }
+  gemm_over_blocks(x, N, yp, [&](int64_t n0, int64_t rows, float* w) {
+    dequant_rows_int8(qp + n0 * K, sp + n0, rows, K, w);
   });
   return y;
 }
