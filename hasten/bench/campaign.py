@@ -117,8 +117,8 @@ class Campaign:
         wl = self.cfg.workload
         if n == 0 or not self.cfg.fresh_requests_per_point:
             return self.specs
-        prefix_seed = wl.seed if wl.prefix_seed is None else wl.prefix_seed
-        return build_workload(replace(wl, seed=wl.seed + 7919 * n, prefix_seed=prefix_seed), tok=self.cfg.tokenizer)
+        return build_workload(replace(wl, seed=wl.seed + 7919 * n, prefix_seed=wl.system_prompt_seed),
+                              tok=self.cfg.tokenizer)
 
     async def run_point(self, point: LoadPoint) -> list[PointResult]:
         cfg = self.cfg

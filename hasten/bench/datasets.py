@@ -65,6 +65,11 @@ class WorkloadConfig:
     cycle_prefixes: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
+    @property
+    def system_prompt_seed(self) -> int:
+        """The seed the shared-prefix system prompts come from."""
+        return self.seed if self.prefix_seed is None else self.prefix_seed
+
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
@@ -245,7 +250,7 @@ def warmup_workload(cfg: WorkloadConfig, n: int, tok: TokenCounter | None = None
         return []
     shifted = WorkloadConfig(**{**cfg.__dict__, "seed": cfg.seed + 1_000_003})
     if cfg.dataset == "shared-prefix":
-        shifted.prefix_seed = cfg.seed if cfg.prefix_seed is None else cfg.prefix_seed
+        shifted.prefix_seed = cfg.system_prompt_seed
         shifted.cycle_prefixes = True
     if cfg.dataset == "multi-turn":
         shifted.dataset = "random"

@@ -100,6 +100,14 @@ class QuantLinear:
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def _float32_call(op, x: torch.Tensor, *weights) -> torch.Tensor:
+        """op(x, *weights) for hasten's C++ kernels (contiguous float32 x); returns x's dtype. The
+        decode hot path (x already contiguous float32) converts nothing."""
+        if x.dtype == torch.float32 and x.is_contiguous():
+            return op(x, *weights)
+        return op(x.float().contiguous(), *weights).to(x.dtype)
+
     def dequantize_codes(self) -> torch.Tensor:
         """float32 [N, K] weight as the kernel sees it (without the input scale)."""
         raise NotImplementedError
@@ -155,9 +163,7 @@ class Int8Linear(QuantLinear):
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel != "hasten":
             return super()._run_kernel(x)
-        if x.dtype == torch.float32 and x.is_contiguous():
-            return self._op(x, self.qweight, self.scales)
-        return self._op(x.float().contiguous(), self.qweight, self.scales).to(x.dtype)
+        return self._float32_call(self._op, x, self.qweight, self.scales)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
@@ -223,9 +229,7 @@ class Int4HastenLinear(QuantLinear):
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
         op = self._op if x.shape[0] < self.gemm_min_rows else self._gemm
-        if x.dtype == torch.float32 and x.is_contiguous():  # the decode hot path: no conversions
-            return op(x, self.codes, self.scales, self.mins, self.group_size)
-        return op(x.float().contiguous(), self.codes, self.scales, self.mins, self.group_size).to(x.dtype)
+        return self._float32_call(op, x, self.codes, self.scales, self.mins, self.group_size)
 
     def dequantize_codes(self) -> torch.Tensor:
         g = self.group_size
