@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class Extension:
-    def __init__(self, name: str, source: str, extra_cflags: tuple[str, ...] = ()):
+    def __init__(self, name: str, source: str, extra_cflags: tuple[str, ...] = (), headers: tuple[str, ...] = ()):
         self.name = name
         self.extra_cflags = list(extra_cflags)
         self.source = Path(__file__).with_name(source)
+        self.headers = [Path(__file__).with_name(h) for h in headers]  # included by the source
         self.module: ModuleType | None = None
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -40,8 +41,8 @@ class Extension:
         return self.module
 
     def _build(self) -> ModuleType:
-        """Build in a folder named by a hash of the source, flags and torch version, from a copy
-        of the source kept there: every checkout with the same kernel reuses one build (building
+        """Build in a folder named by a hash of the source, its headers, flags and torch version,
+        from a copy of them kept there: every checkout with the same kernel reuses one build (building
         from each checkout's own path would make ninja rebuild whenever the path changes)."""
         import torch
         from torch.utils import cpp_extension
@@ -49,16 +50,20 @@ class Extension:
         flags = ["-O3", "-fopenmp", *self.extra_cflags]
         if os.environ.get("HASTEN_NATIVE_ARCH", "1") != "0":
             flags.append("-march=native")
-        code = self.source.read_bytes()
-        key = hashlib.blake2b(code + repr((flags, torch.__version__)).encode(), digest_size=6).hexdigest()
-        name = f"{self.name}_{key}"
+        files = {p.name: p.read_bytes() for p in (*self.headers, self.source)}
+        digest = hashlib.blake2b(repr((flags, torch.__version__)).encode(), digest_size=6)
+        for fname, code in files.items():
+            digest.update(fname.encode() + code)
+        name = f"{self.name}_{digest.hexdigest()}"
         folder = Path(cpp_extension._get_build_directory(name, verbose=False))
         _clear_stale_lock(folder / "lock")
+        for fname, code in files.items():  # headers first: the source is what ninja watches
+            target = folder / fname
+            if not target.exists() or target.read_bytes() != code:
+                tmp = folder / (fname + f".{os.getpid()}.tmp")
+                tmp.write_bytes(code)
+                tmp.replace(target)  # atomic: a concurrent build never sees half a file
         source = folder / self.source.name
-        if not source.exists() or source.read_bytes() != code:
-            tmp = folder / (self.source.name + f".{os.getpid()}.tmp")
-            tmp.write_bytes(code)
-            tmp.replace(source)  # atomic: a concurrent build never sees half a file
         return cpp_extension.load(
             name=name,
             sources=[str(source)],

@@ -8,7 +8,7 @@ import torch
 
 from hasten.kernels.build import Extension
 
-_ext = Extension("hasten_quant_linear_cpu", "quant_linear_cpu.cpp")
+_ext = Extension("hasten_quant_linear_cpu", "quant_linear_cpu.cpp", headers=("float_tiles.h",))
 
 
 def load() -> ModuleType | None:
@@ -52,3 +52,12 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
     if mod is None:
         raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
     return mod.int8_linear(x, qweight, scales)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] W^T for float32 x and W [N, K] (contiguous), through the same register
+    tiles as the quantized GEMMs, run on W's rows in place (the library GEMM for very tall x)."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
+    return mod.float_linear(x, weight)

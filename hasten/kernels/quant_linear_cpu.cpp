@@ -23,11 +23,17 @@
 #include <cmath>
 #include <cstring>
 
+#include "float_tiles.h"
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+using hasten_tiles::hsum;
+#endif
 
 constexpr int64_t kChunk = 32;  // k values per 16 bytes of codes
 
@@ -78,12 +84,6 @@ float dot_row_generic(const float* xp, const float* xs, const uint8_t* codes, co
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 a) {
-  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
-}
-
 // MR rows of x against one weight row n: out[r * ldo] = y[r, n]. NA independent accumulators per
 // row keep the fused multiply-adds from waiting on each other (their latency, not the arithmetic,
 // would otherwise set the pace).
@@ -332,8 +332,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // ever writing the whole float32 weight to memory.
 namespace {
 constexpr int64_t kGemmBlock = 48;  // weight rows per task (16 tiles of 3)
-// From this many rows on, the library's float32 GEMM (packed, cache-blocked) beats our register tiles.
-constexpr int64_t kLibraryGemmRows = 64;
+// From this many rows of x on, and rows longer than one k-slice (hasten_tiles::kMaxSliceK), the
+// library's float32 GEMM (packed, cache-blocked) beats the register tiles (measured: K = 1536,
+// 256 rows 168 vs 140 GFLOP/s; at K = 576 the tiles stay ahead at 512 rows).
+constexpr int64_t kLibraryGemmRows = 256;
 
 void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t rows, int64_t K,
                   int64_t group, float* w) {
@@ -365,55 +367,6 @@ void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* 
     }
   }
 }
-#if defined(__AVX2__) && defined(__FMA__)
-// out[r, j] = xp[r] . w[j] for MR rows of x and NR dequantized weight rows, all K in one go:
-// MR * NR accumulators, so each k-step of 8 does MR + NR loads for MR * NR fused multiply-adds.
-template <int MR, int NR>
-inline void tile_dot(const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
-  __m256 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) out[r * ldo + j] = hsum(acc[r][j]);
-}
-
-template <int MR>
-inline void tile_dot_nr(int nr, const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
-  switch (nr) {
-    case 3: return tile_dot<MR, 3>(x, w, K, out, ldo);
-    case 2: return tile_dot<MR, 2>(x, w, K, out, ldo);
-    default: return tile_dot<MR, 1>(x, w, K, out, ldo);
-  }
-}
-
-// y[:, n0:n0+rows] for one dequantized block (rows x K, permuted like xp).
-void block_gemm(const float* xp, int64_t M, int64_t K, const float* w, int64_t rows, float* y, int64_t N) {
-  for (int64_t m = 0; m < M; m += 4) {
-    const int mr = static_cast<int>(std::min<int64_t>(4, M - m));
-    for (int64_t j = 0; j < rows; j += 3) {
-      const int nr = static_cast<int>(std::min<int64_t>(3, rows - j));
-      const float* xr = xp + m * K;
-      const float* wr = w + j * K;
-      float* out = y + m * N + j;
-      switch (mr) {
-        case 4: tile_dot_nr<4>(nr, xr, wr, K, out, N); break;
-        case 3: tile_dot_nr<3>(nr, xr, wr, K, out, N); break;
-        case 2: tile_dot_nr<2>(nr, xr, wr, K, out, N); break;
-        default: tile_dot_nr<1>(nr, xr, wr, K, out, N); break;
-      }
-    }
-  }
-}
-#endif
-
 // y [M, N] = x W^T, W produced kGemmBlock rows at a time by dequant(n0, rows, w) into a float32
 // buffer per task (in x's k order), multiplied by the register tiles or, from kLibraryGemmRows
 // rows of x on, the library GEMM. Tensors made in the tasks are ordinary ones even when the
@@ -428,8 +381,8 @@ void gemm_over_blocks(const at::Tensor& x, int64_t N, float* yp, const Dequant& 
       const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
       dequant(n0, rows, w.data_ptr<float>());
 #if defined(__AVX2__) && defined(__FMA__)
-      if (M < kLibraryGemmRows && K % 8 == 0) {
-        block_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
+      if ((M < kLibraryGemmRows || K <= hasten_tiles::kMaxSliceK) && K % 8 == 0) {
+        hasten_tiles::block_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
         continue;
       }
 #endif
@@ -524,10 +477,37 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return y;
 }
 
+// ---- float32 weights: the register tiles straight on W's rows (no copy) -----------------------
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "weight must be contiguous float32 [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "weight has K = ", weight.size(1), ", x has K = ", K);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (K % 8 == 0 && (M < kLibraryGemmRows || K <= hasten_tiles::kMaxSliceK)) {
+    auto y = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return y;
+    const float* xp = x.data_ptr<float>();
+    const float* wp = weight.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, (N + kGemmBlock - 1) / kGemmBlock, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kGemmBlock;
+        hasten_tiles::block_gemm(xp, M, K, wp + n0 * K, std::min(kGemmBlock, N - n0), yp + n0, N);
+      }
+    });
+    return y;
+  }
+#endif
+  return at::mm(x, weight.t());
+}
+
 // The kernels touch no Python objects: let other Python threads (the server's event loop) run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
   m.def("int4_linear_gemm", &int4_linear_gemm, py::call_guard<py::gil_scoped_release>(), "as int4_linear, through blocks of float32 weights and the float32 GEMM (many rows of x)");
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with int8 weights (per-row float32 scales), float32 x");
+  m.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T, float32, through the register tiles");
   m.def("int4_linear_q8", &int4_linear_q8, py::call_guard<py::gil_scoped_release>(), "as int4_linear, with x quantized to int8 per 32 values");
 }

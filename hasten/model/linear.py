@@ -48,6 +48,36 @@ class OneDNNLinear(DenseLinear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class TiledLinear(DenseLinear):
+    """Float32 linear through hasten's register-tiled C++ GEMM (hasten/kernels/float_tiles.h) on the
+    weight's rows in place: 1.1-2.4x oneDNN's packed path from 1 to 16 rows of x on the 2-core
+    AVX2 machine, level with it from 64 rows on (`python benchmarks/kernels_cpu.py`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.contiguous(), bias)
+        from hasten.kernels.quant_linear import float_linear
+
+        self._op = float_linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            return F.linear(x, self.weight, self.bias)
+        y = self._op(x2, self.weight)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+def tiled_available(dtype: torch.dtype) -> bool:
+    if dtype != torch.float32:
+        return False
+    from hasten.kernels import quant_linear
+
+    return quant_linear.load() is not None
+
+
 def onednn_available(dtype: torch.dtype) -> bool:
     """The packed path exists for float32 wherever torch was built with oneDNN; probe it once."""
     if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
@@ -68,12 +98,24 @@ def onednn_factory(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -
     return OneDNNLinear(weight, bias)
 
 
+def tiled_factory(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
+    return TiledLinear(weight, bias)
+
+
+CPU_LINEAR_BACKENDS = ("auto", "hasten", "onednn", "torch")
+
+
 def float_linear_factory(backend: str, dtype: torch.dtype) -> LinearFactory:
-    """backend: "auto" (oneDNN packed when it works for this dtype, else torch) | "onednn" | "torch"."""
-    if backend not in ("auto", "onednn", "torch"):
-        raise ValueError(f"unknown cpu_linear_backend {backend!r}: auto, onednn or torch")
+    """backend: "auto" (hasten's tiled kernel for float32 when it builds, else oneDNN packed when it
+    works for this dtype, else torch) | "hasten" | "onednn" | "torch"."""
+    if backend not in CPU_LINEAR_BACKENDS:
+        raise ValueError(f"unknown cpu_linear_backend {backend!r}: one of {', '.join(CPU_LINEAR_BACKENDS)}")
     if backend == "torch":
         return dense_factory
+    if backend in ("auto", "hasten") and tiled_available(dtype):
+        return tiled_factory
+    if backend == "hasten":
+        raise ValueError(f"the hasten tiled linear needs float32 weights and the C++ kernels, not {dtype}")
     if onednn_available(dtype):
         return onednn_factory
     if backend == "onednn":

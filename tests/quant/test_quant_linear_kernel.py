@@ -62,16 +62,49 @@ def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
         assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("m,n", [(2, 50), (12, 64), (40, 130), (97, 200)])
-def test_int4_gemm_path_many_rows(m, n):
-    """The blocked dequantize + GEMM path: several 64-row weight blocks, a ragged last one, 2 threads."""
+@pytest.mark.parametrize("m,n,k", [(2, 50, 576), (12, 64, 576), (40, 130, 576), (97, 200, 576), (16, 100, 1536),
+                                   (260, 60, 1536), (300, 50, 576)])
+def test_int4_gemm_path_many_rows(m, n, k):
+    """The blocked dequantize + GEMM path: several 48-row weight blocks, a ragged last one, 2 threads;
+    K = 1536 is cut into k-slices (and from 256 rows on goes to the library GEMM)."""
     gen = torch.Generator().manual_seed(m + n)
-    codes, scales, mins = random_weight(gen, n, 576, 32)
-    x = torch.randn(m, 576, generator=gen)
+    codes, scales, mins = random_weight(gen, n, k, 32)
+    x = torch.randn(m, k, generator=gen)
     with torch.inference_mode():  # as in the engine: worker threads are not in inference mode
         y = int4_linear.int4_linear_gemm(x, pack_nibbles(codes), scales, mins, 32)
     want = reference(x, codes, scales, mins, 32)
     assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 16, 70, 260])
+@pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (130, 1536), (5, 20)])
+def test_float_linear_matches_reference(m, n, k):
+    """The float32 register-tile GEMM on W's own rows: 4x3 tiles (assembly) and the ragged edge
+    tiles, k-slices (K = 1536), the library path for tall x with long rows, K not a multiple of 8."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    with torch.inference_mode():
+        y = int4_linear.float_linear(x, w)
+    want = x.double() @ w.double().t()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+
+
+def test_tiled_linear_layer():
+    from hasten.model.linear import TiledLinear, float_linear_factory, tiled_factory
+
+    gen = torch.Generator().manual_seed(11)
+    w, b = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    layer = TiledLinear(w, b)
+    for shape in ((1, 96), (7, 96), (2, 3, 96)):
+        x = torch.randn(*shape, generator=gen)
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, w, b), atol=1e-5)
+    assert float_linear_factory("auto", torch.float32) is tiled_factory
+    assert float_linear_factory("hasten", torch.float32) is tiled_factory
+    assert float_linear_factory("auto", torch.bfloat16) is not tiled_factory
+    with pytest.raises(ValueError, match="float32"):
+        float_linear_factory("hasten", torch.bfloat16)
 
 
 def test_int4_kernel_rejects_bad_shapes():
@@ -96,7 +129,7 @@ def test_layer_uses_kernel_and_matches_its_dequantized_weight():
                     input_scale=torch.rand(128, generator=gen) + 0.5)
     layer = make_layer(qw, max_kernel_rows=4, int4_kernel="hasten")
     assert isinstance(layer, Int4HastenLinear) and not layer.int8_activations
-    for rows in (1, 4, 9, layer.gemm_min_rows, 70):  # 70: the library GEMM on the blocks  # the dot kernels below gemm_min_rows, blocked GEMM above
+    for rows in (1, 4, 9, layer.gemm_min_rows, 70):  # the dot kernel below gemm_min_rows, blocked GEMM above
         x = torch.randn(rows, 128, generator=gen)
         want = x.double() @ layer.dequantize().double().t() + qw.bias.double()
         assert torch.allclose(layer(x).double(), want, atol=1e-4, rtol=1e-5)
