@@ -43,7 +43,7 @@ class EngineConfig:
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)
     attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
-    cpu_linear_backend: str = "auto"  # auto | hasten (C++ register tiles) | onednn (pre-packed) | torch (F.linear)
+    cpu_linear_backend: str = "auto"  # auto (= onednn when available) | hasten (C++ register tiles) | onednn (pre-packed) | torch
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests that bring none
 
