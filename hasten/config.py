@@ -29,7 +29,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most draft tokens verified per request per step
     speculative_adaptive: bool = True  # pick the depth per step from acceptance rates and step costs
     ngram_min: int = 1
-    ngram_max: int = 4
+    ngram_max: int = 8
+    ngram_scaled_depth: bool = True  # fewer drafts after 1- and 2-token matches (spec/ngram.py)
     # model execution
     quantization: str | None = None  # None | int8 | int4 | gguf (weight-only; see hasten.quant)
     # quantization options (also quantization="gguf": serve the GGUF's own Q8_0/Q4_0/Q4_1 blocks)

@@ -130,7 +130,7 @@ class LLMEngine:
         if not spec:
             return None
         if spec == "ngram":
-            return NgramProposer(self.config.ngram_min, self.config.ngram_max)
+            return NgramProposer(self.config.ngram_min, self.config.ngram_max, self.config.ngram_scaled_depth)
         if spec.startswith("draft:"):
             from hasten.engine.spec.draft import DraftModelProposer
 

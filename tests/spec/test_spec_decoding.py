@@ -21,6 +21,11 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     assert ngram_propose(toks, 3) == [5, 7, 1]  # "1 2 3" last seen before position 9
     assert ngram_propose(np.array([4, 5, 6]), 2) == []
     assert ngram_propose(np.array([8, 1, 8]), 5) == [1, 8]
+    # scaled depth: one draft after a 1-token match, up to 4 after 2 tokens, k after longer ones
+    assert ngram_propose(np.array([8, 1, 8]), 5, short_match_depths=(1, 4)) == [1]
+    two = np.array([6, 7, 1, 2, 3, 4, 5, 6, 7])
+    assert ngram_propose(two, 6, short_match_depths=(1, 4)) == [1, 2, 3, 4]
+    assert ngram_propose(toks, 3, short_match_depths=(1, 4)) == [5, 7, 1]
 
 
 def _prompts(vocab):
