@@ -10,7 +10,7 @@ from hasten.engine.request import Request
 # Most drafts proposed after a match of 1 and of 2 tokens; longer matches propose up to k. A lone
 # repeated token is weak evidence (on SmolLM2's grounded prompts ~0.2 of its drafts were accepted,
 # against ~0.6 after 4-token matches), and each draft widens the verification step. Replaying the
-# greedy outputs of benchmarks/speculative.py's prompts with k = 4 (and matches up to 8 tokens):
+# greedy outputs of benchmarks/speculative.py's prompts (benchmarks/ngram_replay.py, k = 4):
 # the same tokens per step (2.43 vs 2.44 grounded, 1.21 vs 1.22 chat) from fewer verified rows
 # per step (3.22 vs 4.12 grounded, 1.78 vs 2.81 chat).
 SHORT_MATCH_DEPTHS = (1, 4)
