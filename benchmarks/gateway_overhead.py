@@ -3,6 +3,8 @@
     python benchmarks/gateway_overhead.py                       # 50, 200, 500 streams
     python benchmarks/gateway_overhead.py --concurrency 200 --duration 10
     python benchmarks/gateway_overhead.py --http2               # gateway on hypercorn (h1 clients)
+    python benchmarks/gateway_overhead.py --nginx --pipe-baseline  # + nginx and a bare TCP relay
+                                                                  #   in the same place (references)
     python benchmarks/gateway_overhead.py --real-model PATH.gguf --skip-fake  # 2 real `hasten serve`
                                                        # replicas: prefix_aware vs round_robin
 
@@ -96,7 +98,8 @@ def fake_overhead(args: argparse.Namespace) -> None:
                            "--tokens", str(args.tokens), "--interval-ms", str(args.interval_ms),
                            "--ttft-ms", str(args.ttft_ms)], "listening")
     bhost, bport = addr(line)
-    gateway = pipe = None
+    gateway = pipe = nginx = None
+    nginx_dir = None
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = Path(tmp) / "gateway.yaml"
@@ -107,6 +110,9 @@ def fake_overhead(args: argparse.Namespace) -> None:
         if args.pipe_baseline:
             pipe, pline = spawn([str(Path(__file__).resolve()), "--_pipe", f"{bhost}:{bport}"], "listening")
             targets.append(("pipe", addr(pline)))
+        if args.nginx:
+            nginx, nport = start_nginx(args.nginx, bhost, bport, nginx_dir := tempfile.mkdtemp())
+            targets.append(("nginx", ("127.0.0.1", nport)))
         payload = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
         rows = []
         for conc in args.concurrency:
@@ -131,10 +137,63 @@ def fake_overhead(args: argparse.Namespace) -> None:
         text = scrape(ghost, gport)
         report(args, rows, text)
     finally:
-        for proc in (gateway, pipe):
+        for proc in (gateway, pipe, nginx):
             if proc is not None:
                 stop(proc)
         stop(backend)
+        if nginx_dir is not None:
+            import shutil
+
+            shutil.rmtree(nginx_dir, ignore_errors=True)
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body;
+  proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi;
+  scgi_temp_path {dir}/scgi;
+  upstream backend {{ server {host}:{port}; keepalive 1024; }}
+  server {{
+    listen 127.0.0.1:{listen} backlog=4096;
+    keepalive_requests 1000000;
+    location / {{
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      tcp_nodelay on;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(binary: str, host: str, port: int, folder: str) -> tuple[subprocess.Popen, int]:
+    """A reference proxy written in C: nginx, one worker, streaming (proxy_buffering off), keep-alive
+    to the backend; the same hop as the gateway with the least per-chunk work we know of."""
+    listen = _free_port()
+    conf = Path(folder) / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=folder, host=host, port=port, listen=listen))
+    proc = subprocess.Popen([binary, "-p", folder, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    import socket
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", listen), timeout=0.2):
+            return proc, listen
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"nginx did not start (see {folder}/error.log)")
 
 
 def pipe_main(target: str) -> None:
@@ -249,12 +308,15 @@ def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, LoadResult]
         errors = sum(r.errors for r in res.values())
         print(f"{conc:>7} | {cells[0]:>26} | {cells[1]:>26} | {cells[2]:>22} | {cells[3]:>22} | "
               f"{rate:8.1f} | {errors:>6} | {gw_cpu:6.0%} | {per_chunk:11.1f} | {busy:12.0%}")
-    if "pipe" in rows[0][1]:
-        print("\nbaseline: a do-nothing TCP relay process in place of the gateway (the cost of one extra hop here)")
-        print(f"{'streams':>7} | {'TTFT added p50/p99 relay':>25} | {'TTFT added p50/p99 gw':>22} | "
-              f"{'chunk added p50/p99 relay':>26} | {'chunk added p50/p99 gw':>23}")
+    for ref, what in (("pipe", "a do-nothing Python TCP relay process (the cost of one extra hop here)"),
+                      ("nginx", "nginx, one worker, streaming (a proxy written in C)")):
+        if ref not in rows[0][1]:
+            continue
+        print(f"\nbaseline: {what} in place of the gateway")
+        print(f"{'streams':>7} | {'TTFT added p50/p99 ' + ref:>25} | {'TTFT added p50/p99 gw':>22} | "
+              f"{'chunk added p50/p99 ' + ref:>26} | {'chunk added p50/p99 gw':>23}")
         for conc, res, _ in rows:
-            d, g, p = res["direct"], res["gateway"], res["pipe"]
+            d, g, p = res["direct"], res["gateway"], res[ref]
             print(f"{conc:>7} | {_added(d.ttft_ms, p.ttft_ms):>25} | {_added(d.ttft_ms, g.ttft_ms):>22} | "
                   f"{_added(d.chunk_ms, p.chunk_ms):>26} | {_added(d.chunk_ms, g.chunk_ms):>23}")
     print("gw CPU = gateway process CPU time / wall time (100% = one core); gw us/chunk = gateway CPU per "
@@ -376,6 +438,8 @@ def main() -> None:
     p.add_argument("--skip-fake", action="store_true", help="only run the real-replica part")
     p.add_argument("--pipe-baseline", action="store_true",
                    help="also measure a do-nothing TCP relay process in place of the gateway")
+    p.add_argument("--nginx", nargs="?", const="nginx", default=None, metavar="BINARY",
+                   help="also measure nginx (one worker, streaming) as a reference proxy in the same place")
     p.add_argument("--_pipe", help=argparse.SUPPRESS)
     args = p.parse_args()
     with contextlib.suppress(ImportError):
