@@ -8,7 +8,7 @@ import torch
 
 from hasten.kernels.build import Extension
 
-_ext = Extension("hasten_paged_attention_cpu", "paged_attention_cpu.cpp")
+_ext = Extension("hasten_paged_attention_cpu", "paged_attention_cpu.cpp", headers=("float_tiles.h",))
 
 
 def load() -> ModuleType | None:

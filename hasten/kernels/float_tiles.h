@@ -1,6 +1,7 @@
 // float32 register-tiled products y[m, n] = x[m] . w[n] over K (both row-major, rows of length K),
 // shared by the quantized linears (w = a dequantized block, in cache) and the float32 linear
-// (w = the weight itself). Included by quant_linear_cpu.cpp; see hasten/kernels/build.py.
+// (w = the weight itself). Included by quant_linear_cpu.cpp and (for hsum) paged_attention_cpu.cpp;
+// see hasten/kernels/build.py.
 //
 // Tiles of 4 x-rows by 3 w-rows keep 12 accumulators in registers: per k-step of 8 floats they
 // need 7 loads for 12 fused multiply-adds, so the two FMA pipes, not the loads, set the pace.

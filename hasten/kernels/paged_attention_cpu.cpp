@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_tiles.h"
+
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
 #endif
@@ -93,11 +95,7 @@ inline void update_row_generic(const float* q, const float* k, const float* v, i
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 a) {
-  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(y, _mm_shuffle_ps(y, y, 1)));
-}
+using hasten_tiles::hsum;
 
 // 8 cache values widened to float32 as they are loaded (no conversion pass over the block).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

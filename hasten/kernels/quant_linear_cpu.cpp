@@ -416,6 +416,11 @@ constexpr int64_t kGemmBlock = 48;  // weight rows per task (16 tiles of 3)
 // 256 rows 168 vs 140 GFLOP/s; at K = 576 the tiles stay ahead at 512 rows).
 constexpr int64_t kLibraryGemmRows = 256;
 
+// Whether an M x K product runs on the register tiles (else the library GEMM).
+inline bool tiles_take(int64_t M, int64_t K) {
+  return K % 8 == 0 && (M < kLibraryGemmRows || K <= hasten_tiles::kMaxSliceK);
+}
+
 void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t rows, int64_t K,
                   int64_t group, float* w) {
   const int64_t G = K / group;
@@ -454,7 +459,7 @@ void gemm_over_blocks(const at::Tensor& x, int64_t N, float* yp, const Dequant& 
       const int64_t n0 = b * kGemmBlock, rows = std::min(kGemmBlock, N - n0);
       dequant(n0, rows, w.data_ptr<float>());
 #if defined(__AVX2__) && defined(__FMA__)
-      if ((M < kLibraryGemmRows || K <= hasten_tiles::kMaxSliceK) && K % 8 == 0) {
+      if (tiles_take(M, K)) {
         hasten_tiles::block_gemm(x.data_ptr<float>(), M, K, w.data_ptr<float>(), rows, yp + n0, N);
         continue;
       }
@@ -558,7 +563,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight has K = ", weight.size(1), ", x has K = ", K);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (K % 8 == 0 && (M < kLibraryGemmRows || K <= hasten_tiles::kMaxSliceK)) {
+  if (tiles_take(M, K)) {
     auto y = at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y;
     const float* xp = x.data_ptr<float>();
