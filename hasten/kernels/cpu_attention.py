@@ -6,9 +6,9 @@ from types import ModuleType
 
 import torch
 
-from hasten.kernels.build import Extension
+from hasten.kernels.build import CPU_KERNELS
 
-_ext = Extension("hasten_paged_attention_cpu", "paged_attention_cpu.cpp", headers=("float_tiles.h",))
+_ext = CPU_KERNELS
 
 
 def load() -> ModuleType | None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from hasten.kernels.build import Extension
+from hasten.kernels.build import CPU_KERNELS
 
-# no fused multiply-add contraction: keep PyTorch's rounding of each product
-_ext = Extension("hasten_decoder_ops_cpu", "decoder_ops_cpu.cpp", ("-ffp-contract=off",))
+_ext = CPU_KERNELS
 
 
 def load() -> ModuleType | None:

@@ -14,7 +14,7 @@
 // -ffp-contract=off), so float32 outputs match it to the last bit or within one ulp (the
 // mean of squares is summed in double).
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -187,12 +187,4 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     });
   });
   return out;
-}
-
-// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm of each row");
-  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "h += delta in place, then RMSNorm of each row of h");
-  m.def("rope_and_cache", &rope_and_cache, py::call_guard<py::gil_scoped_release>(), "rotary embedding of q and k; k and v written to their cache slots");
-  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up");
 }

@@ -16,7 +16,7 @@
 // items from a shared counter, so one long prefill cannot stall a thread full of short decodes.
 // Softmax is computed online, block by block (running max and sum), in float32 for any dtype.
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -449,9 +449,4 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
   });
   return out;
-}
-
-// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(), "Paged attention over a block pool (CPU)");
 }

@@ -15,7 +15,7 @@
 // order (evens then odds for every 32 k), so the unpacked nibbles line up with x directly.
 // Rows of W are split across threads; up to 4 rows of x share every unpacked weight vector.
 
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -281,6 +281,51 @@ inline void dot_rows_q8_avx2(const int8_t* xq, const float* xd, int64_t K, const
     out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + mterm;
   }
 }
+// One row of int8 x (batch-1 decode) against NR weight rows, as dot1_rows_avx2: x's 32-run is
+// loaded once for all NR rows, and each run's integer product is scaled straight into the row's
+// total (scale[g] * d[run] widened 8 groups at a time), so the NR chains interleave.
+template <int NR>
+inline void dot1_rows_q8_avx2(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G,
+                              const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t group,
+                              float* out) {
+  const int64_t C = K / kChunk, per_group = group / kChunk;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[NR];
+  for (int j = 0; j < NR; ++j) total[j] = _mm256_setzero_ps();
+  alignas(32) float sc[NR][8];  // scale of the run's group times the run's d, 8 runs at a time
+  for (int64_t c0 = 0; c0 < C; c0 += 8) {
+    const int64_t cn = std::min<int64_t>(8, C - c0);
+    for (int j = 0; j < NR; ++j) {
+      if (per_group == 1 && cn == 8) {  // group 32: one scale per run
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + j * G + c0));
+        _mm256_store_ps(sc[j], _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(xd + c0)));
+      } else {
+        for (int64_t i = 0, g = c0 / per_group, left = per_group - c0 % per_group; i < cn; ++i) {
+          sc[j][i] = half_to_float(scales[j * G + g]) * xd[c0 + i];
+          if (--left == 0) {
+            ++g;
+            left = per_group;
+          }
+        }
+      }
+    }
+    for (int64_t c = c0; c < c0 + cn; ++c) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kChunk));
+      for (int j = 0; j < NR; ++j) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (K / 2) + c * kChunk / 2));
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+        total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc[j][c - c0]), total[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    float mterm = 0.0f;
+    for (int64_t g = 0; g < G; ++g) mterm += half_to_float(mins[j * G + g]) * xs[g];
+    out[j] = hsum(total[j]) + mterm;
+  }
+}
 #endif
 
 }  // namespace
@@ -326,6 +371,23 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (M == 1) {  // batch-1 decode: 4 weight rows per pass
+    at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t n = q * 4;
+        const uint8_t* cr = cp + n * (K / 2);
+        switch (std::min<int64_t>(4, N - n)) {
+          case 4: dot1_rows_q8_avx2<4>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
+          case 3: dot1_rows_q8_avx2<3>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
+          case 2: dot1_rows_q8_avx2<2>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
+          default: dot1_rows_q8_avx2<1>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
+        }
+      }
+    });
+    return y;
+  }
+#endif
   over_tiles(N, M, [&](int64_t n, int64_t m, int64_t rows) {
     const uint8_t* cr = cp + n * (K / 2);
     const at::Half* sr = sp + n * G;
@@ -579,13 +641,4 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   }
 #endif
   return at::mm(x, weight.t());
-}
-
-// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
-  m.def("int4_linear_gemm", &int4_linear_gemm, py::call_guard<py::gil_scoped_release>(), "as int4_linear, through blocks of float32 weights and the float32 GEMM (many rows of x)");
-  m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T with int8 weights (per-row float32 scales), float32 x");
-  m.def("float_linear", &float_linear, py::call_guard<py::gil_scoped_release>(), "y = x W^T, float32, through the register tiles");
-  m.def("int4_linear_q8", &int4_linear_q8, py::call_guard<py::gil_scoped_release>(), "as int4_linear, with x quantized to int8 per 32 values");
 }

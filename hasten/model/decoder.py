@@ -39,11 +39,14 @@ class Decoder:
         linear_factory: LinearFactory | None = None,
         quantize_lm_head: bool = True,
         fused_ops: bool = True,
+        native_loop: bool = True,
     ):
         """Build from a HF-named state dict; `linear_factory` decides how each projection is stored.
 
         fused_ops: run the glue between matmuls (norms, RoPE + cache write, SiLU-mul, residual adds)
         as hasten's C++ ops (hasten/kernels/decoder_ops_cpu.cpp) when they build; else PyTorch ops.
+        native_loop: with fused_ops and the C++ attention kernel, run the whole layer loop in C++
+        (hasten/kernels/decoder_loop_cpu.cpp: same calls, bit-identical, minus Python's overhead).
         """
         self.cfg = cfg
         self.dtype = dtype
@@ -87,6 +90,11 @@ class Decoder:
             )
         self.rope = RotaryEmbedding(cfg, max_len, dtype)
         self.scale = cfg.head_dim**-0.5
+        self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
+        if native_loop and self.ops is not None:
+            from hasten.model.native_loop import build_decoder_loop
+
+            self.loop = build_decoder_loop(self)
 
     # ---------------------------------------------------------------- forward
 
@@ -103,6 +111,9 @@ class Decoder:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-norm hidden states [T, hidden]."""
+        if self.loop is not None and meta.block_tables is not None:
+            return self.loop.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start,
+                                     meta.context_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches])
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg

@@ -49,7 +49,7 @@ class DraftModelProposer:
             factory = linear_factory_for(engine.config.clone(quantization=quantization), folder)
         self.model = Decoder(
             cfg, load_state_dict(folder), engine.dtype, engine.max_model_len, factory,
-            fused_ops=engine.config.fused_decoder_ops,
+            fused_ops=engine.config.fused_decoder_ops, native_loop=engine.config.native_decoder_loop,
         )
         bs = engine.config.block_size
         num_blocks = engine.kv.pool.num_blocks

@@ -1,0 +1,30 @@
+// The CPU kernels of hasten_cpu_kernels, one module built from several sources (see build.py):
+// the entry points each source defines, so that the C++ decoder loop (decoder_loop_cpu.cpp) can
+// call them without going back through Python. Shapes and layouts are documented at each source.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+// quant_linear_cpu.cpp: weight-only int4 / int8 linears and the float32 register-tile linear
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       int64_t group);
+at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& mins, int64_t group);
+at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& mins, int64_t group);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
+
+// paged_attention_cpu.cpp
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, double scale, int64_t q_tile);
+
+// decoder_ops_cpu.cpp: the glue between a layer's matmuls
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, double eps);
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
+                          at::Tensor& v_cache, int64_t heads, int64_t kv_heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);

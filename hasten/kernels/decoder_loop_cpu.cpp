@@ -1,0 +1,249 @@
+// The decoder's layer loop in C++ (DecoderLoop), and the Python bindings of every CPU kernel.
+//
+// A batch-1 decode step of a small model is ~300 kernel calls; driven from Python each one pays
+// for the interpreter, the binding and the tensor wrappers around it (~1-2 ms per step for
+// SmolLM2-135M, measured). DecoderLoop holds the model's weights once and runs the same calls, in
+// the same order and with the same kernels, as Decoder._forward_fused in hasten/model/decoder.py,
+// so its outputs are bit-identical to the Python loop's.
+//
+// A projection is a Linear: float32 (at::linear), the float32 register tiles, hasten's int4 (exact
+// or int8-activation) or int8 kernels, or any Python callable (called with the GIL held: layers
+// the loop has no native path for, e.g. oneDNN's packed weights).
+
+#include <torch/extension.h>
+
+#include <array>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+enum class LinearKind { kDense, kTiled, kInt4, kInt4Q8, kInt8, kPython };
+
+struct Linear {
+  LinearKind kind = LinearKind::kDense;
+  at::Tensor w, scales, mins;  // dense/tiled: w [N, K]; int4: codes, scales, mins; int8: qweight, scales
+  int64_t group = 0;
+  int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs
+  std::optional<at::Tensor> bias, inv_input_scale;
+  py::object callable;
+
+  at::Tensor operator()(const at::Tensor& x_in) const {
+    if (kind == LinearKind::kPython) {
+      py::gil_scoped_acquire gil;
+      return callable(x_in).cast<at::Tensor>();
+    }
+    at::Tensor x = x_in;
+    if (inv_input_scale) x = x * inv_input_scale->to(x.scalar_type());
+    at::Tensor y;
+    switch (kind) {
+      case LinearKind::kDense:
+        return at::linear(x, w, bias);  // bias inside, as F.linear
+      case LinearKind::kTiled:
+        y = float_linear(x.contiguous(), w);
+        if (bias) y += *bias;
+        return y;
+      case LinearKind::kInt4:
+      case LinearKind::kInt4Q8: {
+        const at::Tensor xc = x.contiguous();
+        if (x.size(0) >= gemm_min_rows)
+          y = int4_linear_gemm(xc, w, scales, mins, group);
+        else
+          y = kind == LinearKind::kInt4Q8 ? int4_linear_q8(xc, w, scales, mins, group)
+                                          : int4_linear(xc, w, scales, mins, group);
+        break;
+      }
+      case LinearKind::kInt8:
+        y = int8_linear(x.contiguous(), w, scales);
+        break;
+      default:
+        TORCH_CHECK(false, "unknown linear kind");
+    }
+    if (bias) y = y + bias->to(y.scalar_type());
+    return y;
+  }
+};
+
+Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int64_t group,
+                   std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable) {
+  Linear l;
+  static const std::vector<std::pair<std::string, LinearKind>> kinds = {
+      {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
+      {"int4_q8", LinearKind::kInt4Q8}, {"int8", LinearKind::kInt8}, {"python", LinearKind::kPython}};
+  bool found = false;
+  for (const auto& [name, k] : kinds)
+    if (name == kind) {
+      l.kind = k;
+      found = true;
+    }
+  TORCH_CHECK(found, "unknown linear kind ", kind);
+  const size_t want = l.kind == LinearKind::kPython                                       ? 0
+                      : l.kind == LinearKind::kInt4 || l.kind == LinearKind::kInt4Q8     ? 3
+                      : l.kind == LinearKind::kInt8                                      ? 2
+                                                                                         : 1;
+  TORCH_CHECK(tensors.size() == want, kind, " linear takes ", want, " tensors, got ", tensors.size());
+  if (want >= 1) l.w = tensors[0];
+  if (want >= 2) l.scales = tensors[1];
+  if (want >= 3) l.mins = tensors[2];
+  TORCH_CHECK(l.kind == LinearKind::kPython || !callable || callable.is_none(), "only python linears take a callable");
+  TORCH_CHECK(l.kind != LinearKind::kPython || (callable && !callable.is_none()), "a python linear needs a callable");
+  l.group = group;
+  l.bias = std::move(bias);
+  l.inv_input_scale = std::move(inv_input_scale);
+  l.callable = std::move(callable);
+  return l;
+}
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// Per-step time of each part of the loop, kept only while profiling is on (benchmarks read it: the
+// calls inside the loop are invisible to Python profilers).
+enum Part { kQkv, kRope, kAttention, kO, kGateUp, kSiluMul, kDown, kNorms, kNumParts };
+constexpr std::array<const char*, kNumParts> kPartNames = {"qkv_proj", "rope_and_cache", "paged_attention", "o_proj",
+                                                           "gate_up_proj", "silu_mul", "down_proj", "norms"};
+
+class PartTimer {
+ public:
+  explicit PartTimer(std::array<double, kNumParts>* totals) : totals_(totals) {
+    if (totals_) last_ = std::chrono::steady_clock::now();
+  }
+  // charges the time since the previous mark to `part`
+  void mark(Part part) {
+    if (!totals_) return;
+    const auto now = std::chrono::steady_clock::now();
+    (*totals_)[part] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  std::array<double, kNumParts>* totals_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+class DecoderLoop {
+ public:
+  DecoderLoop(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, at::Tensor embed,
+              at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
+      : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale), embed_(std::move(embed)),
+        final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
+                       std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // input_ids, positions, slots: [T] int64; caches: one (k, v) pair per layer. Returns the
+  // final-norm hidden states [T, hidden].
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slots,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) const {
+    const int64_t L = num_layers();
+    TORCH_CHECK(L > 0, "no layers");
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+                "one k and one v cache per layer expected");
+    const int64_t qd = heads_ * d_, kd = kv_heads_ * d_;
+    PartTimer timer(profiling_ ? &totals_ : nullptr);
+    at::Tensor h = embed_.index_select(0, input_ids);  // the residual stream, updated in place
+    at::Tensor x = rms_norm(h, layers_[0].input_norm, eps_);
+    timer.mark(kNorms);
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& lw = layers_[i];
+      at::Tensor qkv = contiguous(lw.qkv(x));
+      if (lw.q_norm) {  // Qwen3: per-head RMSNorm of q and k before RoPE
+        const int64_t t = qkv.size(0);
+        at::Tensor q = rms_norm(qkv.slice(1, 0, qd).reshape({-1, d_}), *lw.q_norm, eps_).view({t, qd});
+        at::Tensor k = rms_norm(qkv.slice(1, qd, qd + kd).reshape({-1, d_}), *lw.k_norm, eps_).view({t, kd});
+        qkv = at::cat({q, k, qkv.slice(1, qd + kd)}, 1);
+      }
+      timer.mark(kQkv);
+      at::Tensor q = rope_and_cache(qkv, cos_, sin_, positions, slots, k_caches[i], v_caches[i], heads_, kv_heads_);
+      timer.mark(kRope);
+      at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], block_tables, query_start,
+                                        context_lens, scale_, 8);
+      timer.mark(kAttention);
+      at::Tensor o = contiguous(lw.o(attn));
+      timer.mark(kO);
+      x = add_rms_norm(h, o, lw.post_norm, eps_);
+      timer.mark(kNorms);
+      at::Tensor gate_up = contiguous(lw.gate_up(x));
+      timer.mark(kGateUp);
+      at::Tensor act = silu_mul(gate_up);
+      timer.mark(kSiluMul);
+      at::Tensor down = contiguous(lw.down(act));
+      timer.mark(kDown);
+      x = add_rms_norm(h, down, i + 1 < L ? layers_[i + 1].input_norm : final_norm_, eps_);
+      timer.mark(kNorms);
+    }
+    if (profiling_) ++profiled_calls_;
+    return x;
+  }
+
+  // Profiling: per-part seconds summed over the forward calls since it was switched on.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    totals_.fill(0.0);
+    profiled_calls_ = 0;
+  }
+
+  py::dict timings() const {
+    py::dict out;
+    for (int p = 0; p < kNumParts; ++p) out[kPartNames[p]] = totals_[p];
+    out["calls"] = profiled_calls_;
+    return out;
+  }
+
+ private:
+  int64_t heads_, kv_heads_, d_;
+  double eps_, scale_;
+  at::Tensor embed_, final_norm_, cos_, sin_;
+  std::vector<Layer> layers_;
+  bool profiling_ = false;
+  mutable std::array<double, kNumParts> totals_{};
+  mutable int64_t profiled_calls_ = 0;
+};
+
+}  // namespace
+
+// The kernels touch no Python objects: let other Python threads (the server's event loop) run.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using py::arg;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("int4_linear", &int4_linear, nogil, "y = x W^T with 4-bit weights (codes, float16 scales and mins), float32 x");
+  m.def("int4_linear_gemm", &int4_linear_gemm, nogil, "as int4_linear, through blocks of float32 weights and the float32 GEMM (many rows of x)");
+  m.def("int8_linear", &int8_linear, nogil, "y = x W^T with int8 weights (per-row float32 scales), float32 x");
+  m.def("float_linear", &float_linear, nogil, "y = x W^T, float32, through the register tiles");
+  m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
+  m.def("paged_attention", &paged_attention, nogil, "Paged attention over a block pool (CPU)");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "h += delta in place, then RMSNorm of each row of h");
+  m.def("rope_and_cache", &rope_and_cache, nogil, "rotary embedding of q and k; k and v written to their cache slots");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up");
+
+  py::class_<Linear>(m, "Linear", "one projection of DecoderLoop: kind, its tensors, bias, AWQ input scale");
+  m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
+        arg("inv_input_scale") = py::none(), arg("callable") = py::none(),
+        "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group) | int8 [qweight, scales] | python (callable)");
+  py::class_<DecoderLoop>(m, "DecoderLoop", "the decoder's layer loop in C++ (see decoder_loop_cpu.cpp)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
+           arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("scale"), arg("embed"), arg("final_norm"),
+           arg("cos"), arg("sin"))
+      .def("add_layer", &DecoderLoop::add_layer)
+      .def("num_layers", &DecoderLoop::num_layers)
+      .def("forward", &DecoderLoop::forward, nogil)
+      .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")
+      .def("timings", &DecoderLoop::timings, "per-part seconds summed over the calls since profiling went on");
+}

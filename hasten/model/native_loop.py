@@ -1,0 +1,56 @@
+"""Hands a Decoder's weights to the C++ layer loop (DecoderLoop in hasten/kernels/decoder_loop_cpu.cpp).
+
+The loop makes the same kernel calls as Decoder._forward_fused, so it needs the fused C++ ops, the
+in-place attention kernel (flat metadata) and float32 activations. Each projection runs natively
+when its layout is one the loop knows (float32 dense or tiled, hasten's int4 / int8 kernels);
+any other layer (oneDNN's packed weights, aten's int4pack, ...) is called back in Python.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hasten.model.linear import DenseLinear, TiledLinear
+
+if TYPE_CHECKING:
+    from hasten.model.decoder import Decoder
+
+
+def native_linear(mod: ModuleType, layer: Any) -> Any:
+    """The loop's Linear for one projection (a Python call-back when no native path fits)."""
+    from hasten.quant.kernels import Int4HastenLinear, Int8Linear
+
+    if isinstance(layer, TiledLinear):
+        return mod.make_linear("tiled", [layer.weight], bias=layer.bias)
+    if type(layer) is DenseLinear and layer.weight.dtype == torch.float32:
+        return mod.make_linear("dense", [layer.weight], bias=layer.bias)
+    if isinstance(layer, Int4HastenLinear) and layer.gemm_min_rows == 2:
+        kind = "int4_q8" if layer.int8_activations else "int4"
+        return mod.make_linear(kind, [layer.codes, layer.scales, layer.mins], layer.group_size, layer.bias,
+                               layer.inv_input_scale)
+    if isinstance(layer, Int8Linear) and layer.kernel == "hasten":
+        return mod.make_linear("int8", [layer.qweight, layer.scales], 0, layer.bias, layer.inv_input_scale)
+    return mod.make_linear("python", [], callable=layer)
+
+
+def build_decoder_loop(model: Decoder) -> Any | None:
+    """A DecoderLoop over `model`'s weights, or None when the loop cannot run this model (kernels
+    unavailable, or activations other than float32)."""
+    if model.ops is None or model.dtype != torch.float32:
+        return None
+    from hasten.kernels import quant_linear
+
+    mod = quant_linear.load()
+    if mod is None or not hasattr(mod, "DecoderLoop"):
+        return None
+    cfg = model.cfg
+    loop = mod.DecoderLoop(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
+                           model.embed, model.final_norm, model.rope.cos, model.rope.sin)
+    for lw in model.layers:
+        loop.add_layer(lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, native_linear(mod, lw.qkv_proj),
+                       native_linear(mod, lw.o_proj), native_linear(mod, lw.gate_up_proj),
+                       native_linear(mod, lw.down_proj))
+    return loop
