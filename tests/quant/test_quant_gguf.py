@@ -79,3 +79,9 @@ def test_default_gguf_layers_match_the_file():
     assert isinstance(layer, (Int4Linear, Int4HastenLinear)) and layer.group_size == 32
     assert factory.report["layers.1.qkv_proj"] == "Q4_1"
     assert rel_err(layer.dequantize(), ref) < 0.005
+    # auto runs a GGUF's int4 blocks with int8 activations (llama.cpp's scheme for the format);
+    # hasten's own int4 stays exact (see INT4_AUTO)
+    if isinstance(layer, Int4HastenLinear):
+        assert layer.int8_activations
+        exact = GGUFLinearFactory(path, int4_kernel="hasten")("layers.1.qkv_proj", ref, None)
+        assert not exact.int8_activations
