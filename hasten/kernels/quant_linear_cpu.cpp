@@ -143,6 +143,19 @@ inline void dot_rows_avx2(const float* xp, int64_t K, const float* xs, int64_t G
 // not by FMA latency (one weight row at a time waited on its chain: ~3x slower). The 4 vectors of
 // x are loaded once per run for all NR rows.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// sum_g min[g] * xs[g] (xs: x's group sums) for one weight row, 8 groups per step (a scalar chain
+// over the groups cost as much as the codes themselves at K = 1536)
+inline float min_term(const at::Half* mins, const float* xs, int64_t G) {
+  __m256 macc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))),
+                           _mm256_loadu_ps(xs + g), macc);
+  float mterm = hsum(macc);
+  for (; g < G; ++g) mterm += half_to_float(mins[g]) * xs[g];
+  return mterm;
+}
+
 template <int NR>
 inline void dot1_rows_avx2(const float* xp, const float* xs, int64_t G, const uint8_t* codes, int64_t code_stride,
                            const at::Half* scales, const at::Half* mins, int64_t group, float* out) {
@@ -176,16 +189,7 @@ inline void dot1_rows_avx2(const float* xp, const float* xs, int64_t G, const ui
       for (int j = 0; j < NR; ++j) total[j] = _mm256_fmadd_ps(part[j], _mm256_broadcast_ss(&sc[j][g - g0]), total[j]);
     }
   }
-  for (int j = 0; j < NR; ++j) {  // + sum_g min[g] * sum(x over group g), 8 groups per step
-    __m256 macc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8)
-      macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + j * G + g))),
-                             _mm256_loadu_ps(xs + g), macc);
-    float mterm = hsum(macc);
-    for (; g < G; ++g) mterm += half_to_float(mins[j * G + g]) * xs[g];
-    out[j] = hsum(total[j]) + mterm;
-  }
+  for (int j = 0; j < NR; ++j) out[j] = hsum(total[j]) + min_term(mins + j * G, xs, G);
 }
 #endif
 
@@ -303,6 +307,7 @@ inline void dot_rows_q8_avx2(const int8_t* xq, const float* xd, int64_t K, const
     out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + mterm;
   }
 }
+#if defined(__F16C__)
 // One row of int8 x (batch-1 decode) against NR weight rows, as dot1_rows_avx2: x's 32-run is
 // loaded once for all NR rows, and each run's integer product is scaled straight into the row's
 // total (scale[g] * d[run] widened 8 groups at a time), so the NR chains interleave.
@@ -342,12 +347,9 @@ inline void dot1_rows_q8_avx2(const int8_t* xq, const float* xd, const float* xs
       }
     }
   }
-  for (int j = 0; j < NR; ++j) {
-    float mterm = 0.0f;
-    for (int64_t g = 0; g < G; ++g) mterm += half_to_float(mins[j * G + g]) * xs[g];
-    out[j] = hsum(total[j]) + mterm;
-  }
+  for (int j = 0; j < NR; ++j) out[j] = hsum(total[j]) + min_term(mins + j * G, xs, G);
 }
+#endif  // __F16C__
 #endif
 
 }  // namespace
