@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 // quant_linear_cpu.cpp: weight-only int4 / int8 linears and the float32 register-tile linear
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,

@@ -28,7 +28,7 @@ struct Linear {
   LinearKind kind = LinearKind::kDense;
   at::Tensor w, scales, mins;  // dense/tiled: w [N, K]; int4: codes, scales, mins; int8: qweight, scales
   int64_t group = 0;
-  int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs
+  int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs (Int4HastenLinear's)
   std::optional<at::Tensor> bias, inv_input_scale;
   py::object callable;
 
@@ -69,7 +69,8 @@ struct Linear {
 };
 
 Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int64_t group,
-                   std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable) {
+                   std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable,
+                   int64_t gemm_min_rows) {
   Linear l;
   static const std::vector<std::pair<std::string, LinearKind>> kinds = {
       {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
@@ -92,6 +93,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
   TORCH_CHECK(l.kind == LinearKind::kPython || !callable || callable.is_none(), "only python linears take a callable");
   TORCH_CHECK(l.kind != LinearKind::kPython || (callable && !callable.is_none()), "a python linear needs a callable");
   l.group = group;
+  l.gemm_min_rows = gemm_min_rows;
   l.bias = std::move(bias);
   l.inv_input_scale = std::move(inv_input_scale);
   l.callable = std::move(callable);
@@ -235,7 +237,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Linear>(m, "Linear", "one projection of DecoderLoop: kind, its tensors, bias, AWQ input scale");
   m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
-        arg("inv_input_scale") = py::none(), arg("callable") = py::none(),
+        arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2,
         "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group) | int8 [qweight, scales] | python (callable)");
   py::class_<DecoderLoop>(m, "DecoderLoop", "the decoder's layer loop in C++ (see decoder_loop_cpu.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "float_tiles.h"
 
@@ -364,6 +365,23 @@ void over_tiles(int64_t N, int64_t M, const Tile& tile) {
   });
 }
 
+// Batch-1 paths: calls rows(std::integral_constant<int, R>{}, n) for every block of R <= 4 weight
+// rows starting at n (R = 4 but for the last block), blocks split across threads.
+template <typename Rows>
+void over_row_quads(int64_t N, const Rows& rows) {
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t n = q * 4;
+      switch (std::min<int64_t>(4, N - n)) {
+        case 4: rows(std::integral_constant<int, 4>{}, n); break;
+        case 3: rows(std::integral_constant<int, 3>{}, n); break;
+        case 2: rows(std::integral_constant<int, 2>{}, n); break;
+        default: rows(std::integral_constant<int, 1>{}, n); break;
+      }
+    }
+  });
+}
+
 void check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                 int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
@@ -397,17 +415,9 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   float* yp = y.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (M == 1) {  // batch-1 decode: 4 weight rows per pass
-    at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t n = q * 4;
-        const uint8_t* cr = cp + n * (K / 2);
-        switch (std::min<int64_t>(4, N - n)) {
-          case 4: dot1_rows_q8_avx2<4>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
-          case 3: dot1_rows_q8_avx2<3>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
-          case 2: dot1_rows_q8_avx2<2>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
-          default: dot1_rows_q8_avx2<1>(xqp, xdp, xsp, K, G, cr, sp + n * G, mp + n * G, group, yp + n); break;
-        }
-      }
+    over_row_quads(N, [&](auto rows, int64_t n) {
+      dot1_rows_q8_avx2<decltype(rows)::value>(xqp, xdp, xsp, K, G, cp + n * (K / 2), sp + n * G, mp + n * G, group,
+                                               yp + n);
     });
     return y;
   }
@@ -452,17 +462,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   float* yp = y.data_ptr<float>();
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (M == 1) {  // batch-1 decode: 4 weight rows per pass
-    at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t n = q * 4;
-        const uint8_t* cr = cp + n * (K / 2);
-        switch (std::min<int64_t>(4, N - n)) {
-          case 4: dot1_rows_avx2<4>(xpp, xsp, G, cr, K / 2, sp + n * G, mp + n * G, group, yp + n); break;
-          case 3: dot1_rows_avx2<3>(xpp, xsp, G, cr, K / 2, sp + n * G, mp + n * G, group, yp + n); break;
-          case 2: dot1_rows_avx2<2>(xpp, xsp, G, cr, K / 2, sp + n * G, mp + n * G, group, yp + n); break;
-          default: dot1_rows_avx2<1>(xpp, xsp, G, cr, K / 2, sp + n * G, mp + n * G, group, yp + n); break;
-        }
-      }
+    over_row_quads(N, [&](auto rows, int64_t n) {
+      dot1_rows_avx2<decltype(rows)::value>(xpp, xsp, G, cp + n * (K / 2), K / 2, sp + n * G, mp + n * G, group, yp + n);
     });
     return y;
   }

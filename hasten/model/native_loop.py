@@ -27,10 +27,10 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
         return mod.make_linear("tiled", [layer.weight], bias=layer.bias)
     if type(layer) is DenseLinear and layer.weight.dtype == torch.float32:
         return mod.make_linear("dense", [layer.weight], bias=layer.bias)
-    if isinstance(layer, Int4HastenLinear) and layer.gemm_min_rows == 2:
+    if isinstance(layer, Int4HastenLinear):
         kind = "int4_q8" if layer.int8_activations else "int4"
         return mod.make_linear(kind, [layer.codes, layer.scales, layer.mins], layer.group_size, layer.bias,
-                               layer.inv_input_scale)
+                               layer.inv_input_scale, gemm_min_rows=layer.gemm_min_rows)
     if isinstance(layer, Int8Linear) and layer.kernel == "hasten":
         return mod.make_linear("int8", [layer.qweight, layer.scales], 0, layer.bias, layer.inv_input_scale)
     return mod.make_linear("python", [], callable=layer)
@@ -44,7 +44,7 @@ def build_decoder_loop(model: Decoder) -> Any | None:
     from hasten.kernels import quant_linear
 
     mod = quant_linear.load()
-    if mod is None or not hasattr(mod, "DecoderLoop"):
+    if mod is None:
         return None
     cfg = model.cfg
     loop = mod.DecoderLoop(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
