@@ -503,10 +503,12 @@ constexpr int64_t kGemmBlock = 48;  // weight rows per task (16 tiles of 3)
 // 256 rows 168 vs 140 GFLOP/s; at K = 576 the tiles stay ahead at 512 rows).
 constexpr int64_t kLibraryGemmRows = 256;
 
+#if defined(__AVX2__) && defined(__FMA__)
 // Whether an M x K product runs on the register tiles (else the library GEMM).
 inline bool tiles_take(int64_t M, int64_t K) {
   return K % 8 == 0 && (M < kLibraryGemmRows || K <= hasten_tiles::kMaxSliceK);
 }
+#endif
 
 void dequant_rows(const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t rows, int64_t K,
                   int64_t group, float* w) {
