@@ -93,7 +93,7 @@ def _clear_stale_lock(lock: Path) -> None:
 # rounding of each product; the hot kernels spell their FMAs out with intrinsics.
 CPU_KERNELS = Extension(
     "hasten_cpu_kernels",
-    ("quant_linear_cpu.cpp", "paged_attention_cpu.cpp", "decoder_ops_cpu.cpp", "decoder_loop_cpu.cpp"),
+    ("quant_linear_cpu.cpp", "quant_linear_q8_cpu.cpp", "paged_attention_cpu.cpp", "decoder_ops_cpu.cpp", "decoder_loop_cpu.cpp"),
     ("-ffp-contract=off",),
-    headers=("float_tiles.h", "cpu_kernels.h"),
+    headers=("float_tiles.h", "int4_common.h", "cpu_kernels.h"),
 )

@@ -5,7 +5,8 @@
 
 #include <ATen/ATen.h>
 
-// quant_linear_cpu.cpp: weight-only int4 / int8 linears and the float32 register-tile linear
+// quant_linear_cpu.cpp: weight-only int4 / int8 linears and the float32 register-tile linear;
+// quant_linear_q8_cpu.cpp: int4_linear_q8 (int8 activations)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t group);
 at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,

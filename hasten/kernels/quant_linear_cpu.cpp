@@ -14,6 +14,7 @@
 // nibbles the odd k. Rather than shuffling the weights, x is permuted once per call into the same
 // order (evens then odds for every 32 k), so the unpacked nibbles line up with x directly.
 // Rows of W are split across threads; up to 4 rows of x share every unpacked weight vector.
+// The int8-activation variant is in quant_linear_q8_cpu.cpp, the pieces both use in int4_common.h.
 
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
@@ -25,10 +26,13 @@
 #include <type_traits>
 
 #include "float_tiles.h"
+#include "int4_common.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+
+using namespace hasten_int4;
 
 namespace {
 
@@ -36,15 +40,6 @@ namespace {
 using hasten_tiles::hsum;
 #endif
 
-constexpr int64_t kChunk = 32;  // k values per 16 bytes of codes
-
-inline float half_to_float(at::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
 
 // x [M, K] -> xp [M, K] with every 32-run reordered to (even k, odd k); xs [M, G] group sums.
 void prepare_x(const float* x, int64_t M, int64_t K, int64_t group, float* xp, float* xs) {
@@ -137,26 +132,12 @@ inline void dot_rows_avx2(const float* xp, int64_t K, const float* xs, int64_t G
 }
 #endif
 
-
 // One row of x (batch-1 decode) against NR weight rows at once. Each 32-run's product is a fresh
 // chain (4 multiply-adds) scaled into the row's total, so the only chain carried from run to run
 // is one fused multiply-add per row, and NR rows interleave: the loop is bound by throughput,
 // not by FMA latency (one weight row at a time waited on its chain: ~3x slower). The 4 vectors of
 // x are loaded once per run for all NR rows.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// sum_g min[g] * xs[g] (xs: x's group sums) for one weight row, 8 groups per step (a scalar chain
-// over the groups cost as much as the codes themselves at K = 1536)
-inline float min_term(const at::Half* mins, const float* xs, int64_t G) {
-  __m256 macc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= G; g += 8)
-    macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))),
-                           _mm256_loadu_ps(xs + g), macc);
-  float mterm = hsum(macc);
-  for (; g < G; ++g) mterm += half_to_float(mins[g]) * xs[g];
-  return mterm;
-}
-
 template <int NR>
 inline void dot1_rows_avx2(const float* xp, const float* xs, int64_t G, const uint8_t* codes, int64_t code_stride,
                            const at::Half* scales, const at::Half* mins, int64_t group, float* out) {
@@ -194,256 +175,7 @@ inline void dot1_rows_avx2(const float* xp, const float* xs, int64_t G, const ui
 }
 #endif
 
-// ---- int8-activation variant (as llama.cpp's Q4 x Q8 dot products) --------------------------
-// x is quantized per 32 k to int8 with its own scale d (round to nearest, |q| <= 127), in the same
-// even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
-// exact float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
-// instructions per weight than the float path.
-void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
-  const int64_t C = K / kChunk;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    for (int64_t c = 0; c < C; ++c) {
-      const float* xc = xr + c * kChunk;
-      int8_t* q = xq + m * K + c * kChunk;
-#if defined(__AVX2__)
-      // the same arithmetic 8 lanes at a time (vcvtps2dq rounds to nearest even, as nearbyint)
-      __m256 v[4], a = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(xc + 8 * j);
-        a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-      const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      alignas(32) int32_t r[kChunk];
-      for (int j = 0; j < 4; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * j),
-                           _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv))));
-      for (int64_t i = 0; i < kChunk / 2; ++i) {
-        q[i] = static_cast<int8_t>(r[2 * i]);
-        q[kChunk / 2 + i] = static_cast<int8_t>(r[2 * i + 1]);
-      }
-#else
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
-      const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      for (int64_t i = 0; i < kChunk / 2; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(xc[2 * i] * inv));
-        q[kChunk / 2 + i] = static_cast<int8_t>(std::nearbyint(xc[2 * i + 1] * inv));
-      }
-#endif
-      xd[m * C + c] = d;
-    }
-    for (int64_t g = 0; g < K / group; ++g) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < group; ++i) s += xr[g * group + i];
-      xs[m * (K / group) + g] = s;
-    }
-  }
-}
-
-float dot_row_q8_generic(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes,
-                         const at::Half* scales, const at::Half* mins, int64_t K, int64_t group) {
-  float total = 0.0f;
-  for (int64_t c = 0; c < K / kChunk; ++c) {
-    const uint8_t* b = codes + c * kChunk / 2;
-    const int8_t* q = xq + c * kChunk;
-    int32_t acc = 0;
-    for (int64_t i = 0; i < kChunk / 2; ++i) acc += (b[i] & 0x0F) * q[i] + (b[i] >> 4) * q[kChunk / 2 + i];
-    total += static_cast<float>(acc) * xd[c] * half_to_float(scales[c * kChunk / group]);
-  }
-  for (int64_t g = 0; g < K / group; ++g) total += half_to_float(mins[g]) * xs[g];
-  return total;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// One 32-run of codes (chunk c) times MR rows of int8 x, scaled, added to acc[r].
-template <int MR>
-inline void q8_chunk(const uint8_t* codes, const int8_t* xq, const float* xd, int64_t K, int64_t C, int64_t c,
-                     float scale, __m256* acc, int stride) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * kChunk / 2));
-  // 32 codes: even k (low nibbles), then odd k (high nibbles)
-  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
-  for (int r = 0; r < MR; ++r) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + c * kChunk));
-    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), _mm256_set1_epi16(1));
-    acc[r * stride] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(scale * xd[r * C + c]), acc[r * stride]);
-  }
-}
-
-// Two accumulators per row, fed by alternating chunks, so consecutive fused multiply-adds do not
-// wait on each other (their latency, not the arithmetic, would otherwise set the pace).
-template <int MR>
-inline void dot_rows_q8_avx2(const int8_t* xq, const float* xd, int64_t K, const float* xs, int64_t G,
-                             const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t group,
-                             float* out, int64_t ldo) {
-  const int64_t C = K / kChunk, per_group = group / kChunk;
-  __m256 even[MR], odd[MR];
-  for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t g = 0, left = per_group;
-  float sg = half_to_float(scales[0]);
-  auto next_scale = [&]() {
-    const float s = sg;
-    if (--left == 0 && ++g < G) {
-      left = per_group;
-      sg = half_to_float(scales[g]);
-    }
-    return s;
-  };
-  int64_t c = 0;
-  for (; c + 1 < C; c += 2) {
-    const float s0 = next_scale();
-    const float s1 = next_scale();
-    q8_chunk<MR>(codes, xq, xd, K, C, c, s0, even, 1);
-    q8_chunk<MR>(codes, xq, xd, K, C, c + 1, s1, odd, 1);
-  }
-  if (c < C) q8_chunk<MR>(codes, xq, xd, K, C, c, next_scale(), even, 1);
-  for (int r = 0; r < MR; ++r) {
-    float mterm = 0.0f;
-    for (int64_t i = 0; i < G; ++i) mterm += half_to_float(mins[i]) * xs[r * G + i];
-    out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + mterm;
-  }
-}
-#if defined(__F16C__)
-// One row of int8 x (batch-1 decode) against NR weight rows, as dot1_rows_avx2: x's 32-run is
-// loaded once for all NR rows, and each run's integer product is scaled straight into the row's
-// total (scale[g] * d[run] widened 8 groups at a time), so the NR chains interleave.
-template <int NR>
-inline void dot1_rows_q8_avx2(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G,
-                              const uint8_t* codes, const at::Half* scales, const at::Half* mins, int64_t group,
-                              float* out) {
-  const int64_t C = K / kChunk, per_group = group / kChunk;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 total[NR];
-  for (int j = 0; j < NR; ++j) total[j] = _mm256_setzero_ps();
-  alignas(32) float sc[NR][8];  // scale of the run's group times the run's d, 8 runs at a time
-  for (int64_t c0 = 0; c0 < C; c0 += 8) {
-    const int64_t cn = std::min<int64_t>(8, C - c0);
-    for (int j = 0; j < NR; ++j) {
-      if (per_group == 1 && cn == 8) {  // group 32: one scale per run
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + j * G + c0));
-        _mm256_store_ps(sc[j], _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(xd + c0)));
-      } else {
-        for (int64_t i = 0, g = c0 / per_group, left = per_group - c0 % per_group; i < cn; ++i) {
-          sc[j][i] = half_to_float(scales[j * G + g]) * xd[c0 + i];
-          if (--left == 0) {
-            ++g;
-            left = per_group;
-          }
-        }
-      }
-    }
-    for (int64_t c = c0; c < c0 + cn; ++c) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kChunk));
-      for (int j = 0; j < NR; ++j) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (K / 2) + c * kChunk / 2));
-        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-        total[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc[j][c - c0]), total[j]);
-      }
-    }
-  }
-  for (int j = 0; j < NR; ++j) out[j] = hsum(total[j]) + min_term(mins + j * G, xs, G);
-}
-#endif  // __F16C__
-#endif
-
 }  // namespace
-
-// Calls tile(n, m, rows) for every weight row n and every tile of up to 4 rows of x starting at m,
-// weight rows split across threads (64 at least per task, so the parallel region pays off).
-template <typename Tile>
-void over_tiles(int64_t N, int64_t M, const Tile& tile) {
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; m += 4) tile(n, m, std::min<int64_t>(4, M - m));
-  });
-}
-
-// Batch-1 paths: calls rows(std::integral_constant<int, R>{}, n) for every block of R <= 4 weight
-// rows starting at n (R = 4 but for the last block), blocks split across threads.
-template <typename Rows>
-void over_row_quads(int64_t N, const Rows& rows) {
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t n = q * 4;
-      switch (std::min<int64_t>(4, N - n)) {
-        case 4: rows(std::integral_constant<int, 4>{}, n); break;
-        case 3: rows(std::integral_constant<int, 3>{}, n); break;
-        case 2: rows(std::integral_constant<int, 2>{}, n); break;
-        default: rows(std::integral_constant<int, 1>{}, n); break;
-      }
-    }
-  });
-}
-
-void check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "codes must be contiguous uint8 [N, K / 2]");
-  const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.size(1) * 2 == K, "codes hold ", codes.size(1) * 2, " values per row, x has K = ", K);
-  TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
-  for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / group,
-                "scales and mins must be contiguous float16 [N, K / group]");
-}
-
-at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& mins, int64_t group) {
-  check_args(x, codes, scales, mins, group);
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group, C = K / kChunk;
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto xd = at::empty({M, C}, x.options());
-  auto xs = at::empty({M, G}, x.options());
-  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (M == 1) {  // batch-1 decode: 4 weight rows per pass
-    over_row_quads(N, [&](auto rows, int64_t n) {
-      dot1_rows_q8_avx2<decltype(rows)::value>(xqp, xdp, xsp, K, G, cp + n * (K / 2), sp + n * G, mp + n * G, group,
-                                               yp + n);
-    });
-    return y;
-  }
-#endif
-  over_tiles(N, M, [&](int64_t n, int64_t m, int64_t rows) {
-    const uint8_t* cr = cp + n * (K / 2);
-    const at::Half* sr = sp + n * G;
-    const at::Half* mr = mp + n * G;
-    float* out = yp + m * N + n;
-#if defined(__AVX2__) && defined(__FMA__)
-    const int8_t* xr = xqp + m * K;
-    const float* dr = xdp + m * C;
-    const float* sumr = xsp + m * G;
-    switch (rows) {
-      case 4: return dot_rows_q8_avx2<4>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
-      case 3: return dot_rows_q8_avx2<3>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
-      case 2: return dot_rows_q8_avx2<2>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
-      default: return dot_rows_q8_avx2<1>(xr, dr, K, sumr, G, cr, sr, mr, group, out, N);
-    }
-#else
-    for (int64_t r = 0; r < rows; ++r)
-      out[r * N] = dot_row_q8_generic(xqp + (m + r) * K, xdp + (m + r) * C, xsp + (m + r) * G, cr, sr, mr, K, group);
-#endif
-  });
-  return y;
-}
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t group) {

@@ -1,0 +1,83 @@
+// Shared pieces of the int4 linears (quant_linear_cpu.cpp: float32 activations;
+// quant_linear_q8_cpu.cpp: int8 activations): the code layout is documented in
+// quant_linear_cpu.cpp. Included by those two sources only (see hasten/kernels/build.py).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "float_tiles.h"
+
+namespace hasten_int4 {
+
+constexpr int64_t kChunk = 32;  // k values per 16 bytes of codes
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// sum_g min[g] * xs[g] (xs: x's group sums) for one weight row, 8 groups per step (a scalar chain
+// over the groups cost as much as the codes themselves at K = 1536)
+inline float min_term(const at::Half* mins, const float* xs, int64_t G) {
+  __m256 macc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g))),
+                           _mm256_loadu_ps(xs + g), macc);
+  float mterm = hasten_tiles::hsum(macc);
+  for (; g < G; ++g) mterm += half_to_float(mins[g]) * xs[g];
+  return mterm;
+}
+#endif
+
+// Calls tile(n, m, rows) for every weight row n and every tile of up to 4 rows of x starting at m,
+// weight rows split across threads (64 at least per task, so the parallel region pays off).
+template <typename Tile>
+inline void over_tiles(int64_t N, int64_t M, const Tile& tile) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; m += 4) tile(n, m, std::min<int64_t>(4, M - m));
+  });
+}
+
+// Batch-1 paths: calls rows(std::integral_constant<int, R>{}, n) for every block of R <= 4 weight
+// rows starting at n (R = 4 but for the last block), blocks split across threads.
+template <typename Rows>
+inline void over_row_quads(int64_t N, const Rows& rows) {
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t n = q * 4;
+      switch (std::min<int64_t>(4, N - n)) {
+        case 4: rows(std::integral_constant<int, 4>{}, n); break;
+        case 3: rows(std::integral_constant<int, 3>{}, n); break;
+        case 2: rows(std::integral_constant<int, 2>{}, n); break;
+        default: rows(std::integral_constant<int, 1>{}, n); break;
+      }
+    }
+  });
+}
+
+inline void check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) * 2 == K, "codes hold ", codes.size(1) * 2, " values per row, x has K = ", K);
+  TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / group,
+                "scales and mins must be contiguous float16 [N, K / group]");
+}
+
+}  // namespace hasten_int4

@@ -1,0 +1,34 @@
+"""The portable build of the CPU kernels (HASTEN_NATIVE_ARCH=0: no -march=native, so none of the
+AVX2 / F16C paths) must compile and give the same answers: the kernel tests run again in a
+subprocess against that build. Without this, a change to an AVX2 path can break the generic code
+unnoticed (it did once: an AVX2-only constant used outside its #if)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = [
+    "tests/quant/test_quant_linear_kernel.py",
+    "tests/engine/test_attention_kernel.py",
+    "tests/engine/test_decoder_ops.py",
+    "tests/engine/test_native_loop.py",
+]
+
+
+@pytest.mark.skipif(os.environ.get("HASTEN_NATIVE_ARCH") == "0", reason="already the generic build")
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_kernel_tests_pass_in_the_generic_build():
+    env = dict(os.environ, HASTEN_NATIVE_ARCH="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail.splitlines()[-1], tail
