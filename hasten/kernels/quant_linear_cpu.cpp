@@ -144,6 +144,7 @@ inline void dot1_rows_avx2(const float* xp, const float* xs, int64_t G, const ui
   __m256 total[NR];
   for (int j = 0; j < NR; ++j) total[j] = _mm256_setzero_ps();
   alignas(32) float sc[NR][8];  // this block of 8 groups' scales, widened 8 at a time
+  prefetch_next_quad_groups(scales, mins, NR * G);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const int64_t gn = std::min<int64_t>(8, G - g0);
     for (int j = 0; j < NR; ++j) {
@@ -156,6 +157,7 @@ inline void dot1_rows_avx2(const float* xp, const float* xs, int64_t G, const ui
     for (int64_t g = g0; g < g0 + gn; ++g) {
       __m256 part[NR];
       for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+        __builtin_prefetch(codes + NR * code_stride + c * 2);  // the next quad's codes (see int4_common.h)
         const __m256 x0 = _mm256_loadu_ps(xp + c), x1 = _mm256_loadu_ps(xp + c + 8);
         const __m256 x2 = _mm256_loadu_ps(xp + c + 16), x3 = _mm256_loadu_ps(xp + c + 24);
         for (int j = 0; j < NR; ++j) {

@@ -149,6 +149,7 @@ inline void dot1_rows_q8_avx2(const int8_t* xq, const float* xd, const float* xs
   __m256 total[NR];
   for (int j = 0; j < NR; ++j) total[j] = _mm256_setzero_ps();
   alignas(32) float sc[NR][8];  // scale of the run's group times the run's d, 8 runs at a time
+  prefetch_next_quad_groups(scales, mins, NR * G);
   for (int64_t c0 = 0; c0 < C; c0 += 8) {
     const int64_t cn = std::min<int64_t>(8, C - c0);
     for (int j = 0; j < NR; ++j) {
@@ -166,6 +167,7 @@ inline void dot1_rows_q8_avx2(const int8_t* xq, const float* xd, const float* xs
       }
     }
     for (int64_t c = c0; c < c0 + cn; ++c) {
+      __builtin_prefetch(codes + NR * (K / 2) + c * 2 * kChunk);  // the next quad's codes (see int4_common.h)
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kChunk));
       for (int j = 0; j < NR; ++j) {
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (K / 2) + c * kChunk / 2));
