@@ -89,7 +89,7 @@ def _kernels():
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc * scale[None, :],
                  mask=m_ok & (offs_n[None, :] < N))
 
-    return triton, int4_kernel, int8_kernel
+    return int4_kernel, int8_kernel
 
 
 def _blocks(M: int) -> tuple[int, int]:
@@ -102,50 +102,49 @@ def _blocks(M: int) -> tuple[int, int]:
     return 64, 64
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, K: int) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, K: int, block_k: int, min_block_k: int) -> None:
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
     if x.device != w.device:
         raise ValueError(f"x is on {x.device}, the weight on {w.device}")
     if not x.is_floating_point():
         raise ValueError("x must be a float tensor")
+    if block_k < min_block_k or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= {min_block_k}")
+
+
+def _launch(kernel, x: torch.Tensor, N: int, *args, **constants) -> torch.Tensor:
+    """Runs kernel[grid](x, *args, y, M, N, x.stride(0), y.stride(0), **constants, BLOCK_M, BLOCK_N)
+    over the tiles of y [M, N] (float32 inside, returned in x's dtype)."""
+    import triton
+
+    x = x.contiguous()
+    M = x.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=torch.float32)
+    bm, bn = _blocks(M)
+    kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](x, *args, y, M, N, x.stride(0), y.stride(0), **constants,
+                                                     BLOCK_M=bm, BLOCK_N=bn)
+    return y.to(x.dtype)
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                 group: int, block_k: int = 64) -> torch.Tensor:
     """y [M, N] (x's dtype) = x [M, K] @ dequant(codes [N, K/2], scales/mins [N, K/group])^T."""
     N, K = codes.shape[0], codes.shape[1] * 2
-    _check(x, codes, K)
+    _check(x, codes, K, block_k, 32)
     if codes.dtype != torch.uint8 or group % 2 or K % group or scales.shape != (N, K // group) \
             or mins.shape != scales.shape:
         raise ValueError("codes must be uint8 [N, K/2] and scales, mins [N, K/group] with an even group")
-    if block_k < 32 or block_k & (block_k - 1):
-        raise ValueError("block_k must be a power of two >= 32")
-    triton, int4_kernel, _ = _kernels()
-    x = x.contiguous()
-    M = x.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=torch.float32)
-    bm, bn = _blocks(M)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    int4_kernel[grid](x, codes.contiguous(), scales.contiguous(), mins.contiguous(), y, M, N, x.stride(0), y.stride(0),
-                      K=K, G=K // group, group=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k)
-    return y.to(x.dtype)
+    int4_kernel, _ = _kernels()
+    return _launch(int4_kernel, x, N, codes.contiguous(), scales.contiguous(), mins.contiguous(),
+                   K=K, G=K // group, group=group, BLOCK_K=block_k)
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_k: int = 64) -> torch.Tensor:
     """y [M, N] (x's dtype) = x [M, K] @ (qweight [N, K] * scales [N, 1])^T."""
     N, K = qweight.shape
-    _check(x, qweight, K)
+    _check(x, qweight, K, block_k, 16)
     if qweight.dtype != torch.int8 or scales.numel() != N:
         raise ValueError("qweight must be int8 [N, K] and scales [N]")
-    if block_k < 16 or block_k & (block_k - 1):
-        raise ValueError("block_k must be a power of two >= 16")
-    triton, _, int8_kernel = _kernels()
-    x = x.contiguous()
-    M = x.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=torch.float32)
-    bm, bn = _blocks(M)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    int8_kernel[grid](x, qweight.contiguous(), scales.contiguous(), y, M, N, x.stride(0), y.stride(0), K=K,
-                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k)
-    return y.to(x.dtype)
+    _, int8_kernel = _kernels()
+    return _launch(int8_kernel, x, N, qweight.contiguous(), scales.contiguous(), K=K, BLOCK_K=block_k)
