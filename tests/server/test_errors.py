@@ -139,7 +139,9 @@ def test_not_ready_is_503(fake_tokenizer) -> None:
 
 
 def test_queue_full_is_429_and_others_unaffected(fake_tokenizer) -> None:
-    engine = FakeAsyncLLM(fake_tokenizer, max_num_seqs=1, max_waiting=2, step_time=0.005)
+    # each stream runs 60 steps of 20 ms, so the full queue (1 running, 2 waiting) lasts over a second:
+    # at 5 ms a step it lasted 0.3 s and a loaded CI machine could start the third stream too late
+    engine = FakeAsyncLLM(fake_tokenizer, max_num_seqs=1, max_waiting=2, step_time=0.02)
     results: dict[int, tuple[int, str]] = {}
 
     def long_stream(i: int) -> None:
