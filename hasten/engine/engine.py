@@ -80,7 +80,7 @@ class LLMEngine:
         state = load_state_dict(folder)
         self.model = Decoder(
             cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder), fused_ops=config.fused_decoder_ops,
-            native_loop=config.native_decoder_loop,
+            native_loop=config.native_decoder_loop, attention_group=config.attention_prefix_group,
         )
         del state
         bs = config.block_size

@@ -19,7 +19,8 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 // paged_attention_cpu.cpp
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& context_lens, double scale, int64_t q_tile);
+                           const at::Tensor& context_lens, double scale, int64_t q_tile,
+                           int64_t max_group);
 
 // decoder_ops_cpu.cpp: the glue between a layer's matmuls
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -175,7 +175,7 @@ class DecoderLoop {
       at::Tensor q = rope_and_cache(qkv, cos_, sin_, positions, slots, k_caches[i], v_caches[i], heads_, kv_heads_);
       timer.mark(kRope);
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], block_tables, query_start,
-                                        context_lens, scale_, 8);
+                                        context_lens, scale_, 8, attention_group_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -193,6 +193,9 @@ class DecoderLoop {
     if (profiling_) ++profiled_calls_;
     return x;
   }
+
+  // the paged-attention kernel's max_group (decode sequences sharing prefix blocks; < 2: off)
+  void set_attention_group(int64_t n) { attention_group_ = n; }
 
   // Profiling: per-part seconds summed over the forward calls since it was switched on.
   void set_profiling(bool on) {
@@ -214,6 +217,7 @@ class DecoderLoop {
   at::Tensor embed_, final_norm_, cos_, sin_;
   std::vector<Layer> layers_;
   bool profiling_ = false;
+  int64_t attention_group_ = 8;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
 };
@@ -229,7 +233,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, nogil, "y = x W^T with int8 weights (per-row float32 scales), float32 x");
   m.def("float_linear", &float_linear, nogil, "y = x W^T, float32, through the register tiles");
   m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
-  m.def("paged_attention", &paged_attention, nogil, "Paged attention over a block pool (CPU)");
+  m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
+        arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
+        "Paged attention over a block pool (CPU)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, nogil, "h += delta in place, then RMSNorm of each row of h");
   m.def("rope_and_cache", &rope_and_cache, nogil, "rotary embedding of q and k; k and v written to their cache slots");
@@ -246,6 +252,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderLoop::add_layer)
       .def("num_layers", &DecoderLoop::num_layers)
       .def("forward", &DecoderLoop::forward, nogil)
+      .def("set_attention_group", &DecoderLoop::set_attention_group,
+           "most decode sequences one attention item serves over their shared prefix blocks (< 2: off)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")
       .def("timings", &DecoderLoop::timings, "per-part seconds summed over the calls since profiling went on");
 }

@@ -12,7 +12,9 @@
 // sees keys 0 .. c - n + i (causal). Returns [T, H * D].
 //
 // Work is split into (sequence, tile of query tokens, kv head) items; the query heads that share
-// a kv head are processed together so each key/value row is loaded once per item. Threads take
+// a kv head are processed together so each key/value row is loaded once per item. Decode
+// sequences whose tables begin with the same blocks (a shared prompt prefix) form one item of up
+// to `max_group` sequences that reads each shared block once (see Item; max_group < 2: off). Threads take
 // items from a shared counter, so one long prefill cannot stall a thread full of short decodes.
 // Softmax is computed online, block by block (running max and sum), in float32 for any dtype.
 
@@ -20,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -327,9 +330,15 @@ inline void prefetch_block(const scalar_t* kp, const scalar_t* vp, int64_t base,
   }
 }
 
-// One work item: a tile of query tokens of one sequence, for a range of kv heads.
+// One work item: a tile of query tokens of one sequence for a range of kv heads, or a *group* of
+// decode sequences (one new token each) whose block tables start with the same `shared` blocks:
+// those blocks are the same memory (a prefix-cache hit), so the group walks them block-major (each
+// block is fetched from memory once and stays in L1 for every member) before each member finishes
+// its own blocks. Every row sees the same keys in the same order with the same arithmetic either
+// way, so grouping changes speed, never a bit of the result.
 struct Item {
   int64_t seq, q_begin, q_end, head_begin, head_end;
+  int64_t member_begin = 0, member_end = 0, shared = 0;  // a group: members[member_begin, member_end)
 };
 
 struct Scratch {
@@ -343,92 +352,186 @@ struct Shape {
   float scale;
 };
 
+// One sequence's part of an item: query tokens [q_begin, q_end), whose rows start at scratch row `row0`.
+struct Segment {
+  int64_t seq, q_begin, q_end, row0;
+};
+
 template <typename scalar_t, typename cache_t>
-void attend_item(const Item& it, const scalar_t* qp, const cache_t* kp, const cache_t* vp, const int32_t* tables,
-                 const int64_t* qstart, const int64_t* ctx_lens, scalar_t* outp, const Shape& sh, Scratch& sc) {
+void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, const cache_t* kp, const cache_t* vp,
+                 const int32_t* tables, const int64_t* qstart, const int64_t* ctx_lens, scalar_t* outp,
+                 const Shape& sh, Scratch& sc) {
   const int64_t G = sh.G, D = sh.D, BS = sh.BS, H = sh.H;
   const int64_t nh = it.head_end - it.head_begin;
-  const int64_t n_new = qstart[it.seq + 1] - qstart[it.seq];
-  const int64_t first_pos = ctx_lens[it.seq] - n_new;  // position of the sequence's first new token
-  const int64_t tokens = it.q_end - it.q_begin;
-  const int64_t token_rows = nh * G;  // rows per token: r = t * token_rows + (head - head_begin) * G + g
-  const int64_t rows = tokens * token_rows;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const scalar_t* src = qp + ((qstart[it.seq] + it.q_begin + t) * H + it.head_begin * G) * D;
-    float* dst = sc.q.data() + t * token_rows * D;
-    for (int64_t i = 0; i < token_rows * D; ++i) dst[i] = static_cast<float>(src[i]) * sh.scale;
+  const int64_t token_rows = nh * G;  // rows per token: r = row0 + t * token_rows + (head - head_begin) * G + g
+  Segment one{it.seq, it.q_begin, it.q_end, 0};
+  std::vector<Segment> group;
+  for (int64_t i = it.member_begin; i < it.member_end; ++i)
+    group.push_back({members[i], 0, 1, (i - it.member_begin) * token_rows});
+  const Segment* segs = group.empty() ? &one : group.data();
+  const int64_t nseg = group.empty() ? 1 : static_cast<int64_t>(group.size());
+
+  int64_t rows = 0;
+  for (int64_t si = 0; si < nseg; ++si) {
+    const Segment& sg = segs[si];
+    for (int64_t t = 0; t < sg.q_end - sg.q_begin; ++t) {
+      const scalar_t* src = qp + ((qstart[sg.seq] + sg.q_begin + t) * H + it.head_begin * G) * D;
+      float* dst = sc.q.data() + (sg.row0 + t * token_rows) * D;
+      for (int64_t i = 0; i < token_rows * D; ++i) dst[i] = static_cast<float>(src[i]) * sh.scale;
+    }
+    rows = std::max(rows, sg.row0 + (sg.q_end - sg.q_begin) * token_rows);
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -1e30f);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
 
-  const int64_t last_key = first_pos + it.q_end - 1;  // newest key any row of this item may see
-  const int64_t nblocks = last_key / BS + 1;
-  const int32_t* table = tables + it.seq * sh.max_blocks;
   const int64_t cache_row = sh.KVH * D;  // floats between consecutive keys of a block
-  for (int64_t b = 0; b < nblocks; ++b) {
+  auto block_base = [&](const Segment& sg, int64_t b) {
+    return (static_cast<int64_t>(tables[sg.seq * sh.max_blocks + b]) * BS * sh.KVH + it.head_begin) * D;
+  };
+  auto last_key = [&](const Segment& sg) {  // newest key any row of the segment may see
+    return ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_end - 1;
+  };
+  // Block b of one segment: every token of it attends over the keys it may see in the block.
+  auto attend = [&](const Segment& sg, int64_t b) {
+    const int64_t first_pos = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]);
     const int64_t key0 = b * BS;
-    const int64_t in_block = std::min<int64_t>(BS, last_key + 1 - key0);
-    const int64_t base = (static_cast<int64_t>(table[b]) * BS * sh.KVH + it.head_begin) * D;
-    if (b == 0)  // warm-up: the first blocks ahead
-      for (int64_t a = 1; a < kPrefetchAhead && a < nblocks; ++a)
-        prefetch_block(kp, vp, (static_cast<int64_t>(table[a]) * BS * sh.KVH + it.head_begin) * D, BS, cache_row, nh * D);
-    if (b + kPrefetchAhead < nblocks)
-      prefetch_block(kp, vp, (static_cast<int64_t>(table[b + kPrefetchAhead]) * BS * sh.KVH + it.head_begin) * D, BS,
-                     cache_row, nh * D);
+    const int64_t in_block = std::min<int64_t>(BS, last_key(sg) + 1 - key0);
+    const int64_t base = block_base(sg, b);
     auto attend_block = [&](const auto* krows, const auto* vrows, int64_t stride) {
-      for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t t = 0; t < sg.q_end - sg.q_begin; ++t) {
         // keys this token may see inside the block (causal limit)
-        const int64_t visible = std::min<int64_t>(in_block, first_pos + it.q_begin + t - key0 + 1);
+        const int64_t visible = std::min<int64_t>(in_block, first_pos + sg.q_begin + t - key0 + 1);
         if (visible <= 0) continue;
         for (int64_t h = 0; h < nh; ++h) {
-          const int64_t r = t * token_rows + h * G;
+          const int64_t r = sg.row0 + t * token_rows + h * G;
           update_rows(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
                       sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D);
         }
       }
     };
-    bool done = false;
     if constexpr (reads_in_place<cache_t>()) {
       if (std::is_same_v<cache_t, float> || D % 8 == 0) {
         attend_block(kp + base, vp + base, cache_row);
-        done = true;
+        return;
       }
     }
-    if (!done) {  // portable path over another cache type: widen this block first
-      for (int64_t j = 0; j < in_block; ++j) {
-        to_float(kp + base + j * cache_row, sc.k.data() + j * nh * D, nh * D);
-        to_float(vp + base + j * cache_row, sc.v.data() + j * nh * D, nh * D);
-      }
-      attend_block(sc.k.data(), sc.v.data(), nh * D);
+    // portable path over another cache type: widen this block first
+    for (int64_t j = 0; j < in_block; ++j) {
+      to_float(kp + base + j * cache_row, sc.k.data() + j * nh * D, nh * D);
+      to_float(vp + base + j * cache_row, sc.v.data() + j * nh * D, nh * D);
     }
-  }
-  for (int64_t t = 0; t < tokens; ++t) {
-    scalar_t* dst = outp + ((qstart[it.seq] + it.q_begin + t) * H + it.head_begin * G) * D;
-    for (int64_t r = 0; r < token_rows; ++r) {
-      const float inv = 1.0f / sc.l[t * token_rows + r];
-      const float* acc = sc.acc.data() + (t * token_rows + r) * D;
-      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<scalar_t>(acc[d] * inv);
+    attend_block(sc.k.data(), sc.v.data(), nh * D);
+  };
+  // Walk blocks [b0, nblocks) of `sg` (prefetching ahead: scattered rows defeat the hardware
+  // prefetcher), calling `body(b)` on each.
+  auto walk = [&](const Segment& sg, int64_t b0, int64_t nblocks, auto&& body) {
+    for (int64_t a = 1; a < kPrefetchAhead && b0 + a < nblocks; ++a)
+      prefetch_block(kp, vp, block_base(sg, b0 + a), BS, cache_row, nh * D);
+    for (int64_t b = b0; b < nblocks; ++b) {
+      if (b + kPrefetchAhead < nblocks) prefetch_block(kp, vp, block_base(sg, b + kPrefetchAhead), BS, cache_row, nh * D);
+      body(b);
+    }
+  };
+  walk(segs[0], 0, it.shared, [&](int64_t b) {
+    for (int64_t si = 0; si < nseg; ++si) attend(segs[si], b);
+  });
+  for (int64_t si = 0; si < nseg; ++si)
+    walk(segs[si], it.shared, last_key(segs[si]) / BS + 1, [&](int64_t b) { attend(segs[si], b); });
+
+  for (int64_t si = 0; si < nseg; ++si) {
+    const Segment& sg = segs[si];
+    for (int64_t t = 0; t < sg.q_end - sg.q_begin; ++t) {
+      scalar_t* dst = outp + ((qstart[sg.seq] + sg.q_begin + t) * H + it.head_begin * G) * D;
+      for (int64_t r = 0; r < token_rows; ++r) {
+        const int64_t row = sg.row0 + t * token_rows + r;
+        const float inv = 1.0f / sc.l[row];
+        const float* acc = sc.acc.data() + row * D;
+        for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<scalar_t>(acc[d] * inv);
+      }
     }
   }
 }
 
+// Decode sequences (one new token) grouped by shared leading blocks; see Item. A group is formed
+// from sequences whose first block is the same, split into groups of at most `max_members`, each
+// sharing the blocks all its members have in common (at least 2, or the members go alone).
+struct Groups {
+  std::vector<int64_t> members;                 // sequence ids, group after group
+  std::vector<std::array<int64_t, 3>> spans;    // member_begin, member_end, shared blocks
+  std::vector<bool> grouped;                    // per sequence
+};
+
+inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_t* ctx, int64_t S, int64_t BS,
+                          int64_t max_blocks, int64_t max_members) {
+  Groups g;
+  g.grouped.assign(S, false);
+  if (max_members < 2) return g;
+  std::vector<int64_t> decode;
+  for (int64_t s = 0; s < S; ++s)
+    if (qs[s + 1] - qs[s] == 1 && ctx[s] > BS) decode.push_back(s);
+  // sequences with the same first block end up next to each other (stable: keeps batch order)
+  std::stable_sort(decode.begin(), decode.end(),
+                   [&](int64_t a, int64_t b) { return tables[a * max_blocks] < tables[b * max_blocks]; });
+  auto common = [&](int64_t a, int64_t b) {  // leading blocks a and b share, within both contexts
+    const int64_t n = std::min((ctx[a] - 1) / BS + 1, (ctx[b] - 1) / BS + 1);
+    int64_t c = 0;
+    while (c < n && tables[a * max_blocks + c] == tables[b * max_blocks + c]) ++c;
+    return c;
+  };
+  size_t i = 0;
+  while (i < decode.size()) {
+    size_t j = i + 1;
+    while (j < decode.size() && tables[decode[j] * max_blocks] == tables[decode[i] * max_blocks]) ++j;
+    // [i, j): one first block; cut it into groups of at most max_members
+    const int64_t run = static_cast<int64_t>(j - i);
+    const int64_t ngroups = (run + max_members - 1) / max_members;
+    for (int64_t k = 0; k < ngroups; ++k) {
+      const size_t b = i + static_cast<size_t>(k * run / ngroups), e = i + static_cast<size_t>((k + 1) * run / ngroups);
+      if (e - b < 2) continue;
+      int64_t shared = max_blocks;
+      for (size_t m = b + 1; m < e; ++m) shared = std::min(shared, common(decode[b], decode[m]));
+      if (shared < 2) continue;
+      const int64_t begin = static_cast<int64_t>(g.members.size());
+      for (size_t m = b; m < e; ++m) {
+        g.members.push_back(decode[m]);
+        g.grouped[decode[m]] = true;
+      }
+      g.spans.push_back({begin, static_cast<int64_t>(g.members.size()), shared});
+    }
+    i = j;
+  }
+  return g;
+}
+
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-         const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, at::Tensor& out) {
+         const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
+         at::Tensor& out) {
   Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
            static_cast<float>(scale)};
   const int64_t S = ctx_lens.size(0);
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
-  int64_t tiles = 0;
-  for (int64_t s = 0; s < S; ++s) tiles += (qs[s + 1] - qs[s] + q_tile - 1) / q_tile;
+  int64_t decodes = 0;
+  for (int64_t s = 0; s < S; ++s) decodes += qs[s + 1] - qs[s] == 1;
+  // at most max_group members, and groups small enough that every thread gets two or more
+  const int64_t max_members = std::min(max_group, (decodes + 2 * threads - 1) / (2 * threads));
+  const Groups groups = find_groups(tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(), S, sh.BS,
+                                    sh.max_blocks, max_members);
+  int64_t tiles = static_cast<int64_t>(groups.spans.size());
+  for (int64_t s = 0; s < S; ++s)
+    if (!groups.grouped[s]) tiles += (qs[s + 1] - qs[s] + q_tile - 1) / q_tile;
   // All kv heads in one item read each cache block as one contiguous run; split heads only when
   // there are too few tiles to keep every thread busy.
   const int64_t heads_per_item = tiles >= 4 * threads ? sh.KVH : 1;
   std::vector<Item> items;
   items.reserve(tiles * (sh.KVH / heads_per_item + 1));
+  for (const auto& span : groups.spans)
+    for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
+      items.push_back({groups.members[span[0]], 0, 1, h, std::min(sh.KVH, h + heads_per_item), span[0], span[1], span[2]});
   for (int64_t s = 0; s < S; ++s) {
+    if (groups.grouped[s]) continue;
     const int64_t n = qs[s + 1] - qs[s];
     for (int64_t t0 = 0; t0 < n; t0 += q_tile)
       for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
@@ -436,15 +539,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
   const int64_t total = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min(threads, total));
-  const int64_t rows = q_tile * heads_per_item * sh.G;
+  const int64_t rows = std::max<int64_t>(q_tile, max_members) * heads_per_item * sh.G;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(rows, sh.BS, heads_per_item * sh.D);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-        attend_item<scalar_t, cache_t>(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
-                              v_cache.data_ptr<cache_t>(), tables.data_ptr<int32_t>(), qs,
-                              ctx_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), sh, scratch);
+        attend_item<scalar_t, cache_t>(items[i], groups.members.data(), q.data_ptr<scalar_t>(),
+                                       k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
+                                       tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(),
+                                       out.data_ptr<scalar_t>(), sh, scratch);
       }
     }
   });
@@ -454,7 +558,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& context_lens, double scale, int64_t q_tile) {
+                           const at::Tensor& context_lens, double scale, int64_t q_tile,
+                           int64_t max_group) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -488,11 +593,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (q.size(0) == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
-      run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+      run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
+                                  out);
     else if (k_cache.scalar_type() == at::kHalf)
-      run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+      run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
+                                  out);
     else
-      run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, out);
+      run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
+                                  out);
   });
   return out;
 }

@@ -40,6 +40,7 @@ class Decoder:
         quantize_lm_head: bool = True,
         fused_ops: bool = True,
         native_loop: bool = True,
+        attention_group: int = 8,
     ):
         """Build from a HF-named state dict; `linear_factory` decides how each projection is stored.
 
@@ -47,6 +48,8 @@ class Decoder:
         as hasten's C++ ops (hasten/kernels/decoder_ops_cpu.cpp) when they build; else PyTorch ops.
         native_loop: with fused_ops and the C++ attention kernel, run the whole layer loop in C++
         (hasten/kernels/decoder_loop_cpu.cpp: same calls, bit-identical, minus Python's overhead).
+        attention_group: the C++ attention kernel's max_group (decode sequences that share prefix
+        blocks read them once; bit-identical; < 2 switches it off).
         """
         self.cfg = cfg
         self.dtype = dtype
@@ -90,11 +93,14 @@ class Decoder:
             )
         self.rope = RotaryEmbedding(cfg, max_len, dtype)
         self.scale = cfg.head_dim**-0.5
+        self.attention_group = attention_group
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
         if native_loop and self.ops is not None:
             from hasten.model.native_loop import build_decoder_loop
 
             self.loop = build_decoder_loop(self)
+            if self.loop is not None:
+                self.loop.set_attention_group(attention_group)
 
     # ---------------------------------------------------------------- forward
 
@@ -137,7 +143,7 @@ class Decoder:
             flat_v = v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
             flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
             flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
-            attn = paged_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale)
+            attn = paged_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale, self.attention_group)
             h = h + lw.o_proj(attn)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             h = h + self._mlp(lw, x)
@@ -166,7 +172,7 @@ class Decoder:
                 k = ops.rms_norm(qkv[:, qd : qd + kd].reshape(-1, d), lw.k_norm, eps).view(t, kd)
                 qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
             q = ops.rope_and_cache(qkv, self.rope.cos, self.rope.sin, positions, slots, k_cache, v_cache, heads, kv_heads)
-            attn = paged_attention(q, k_cache, v_cache, meta, kv_heads, self.scale)
+            attn = paged_attention(q, k_cache, v_cache, meta, kv_heads, self.scale, self.attention_group)
             x = ops.add_rms_norm(h, _contiguous(lw.o_proj(attn)), lw.post_norm, eps)
             down = _contiguous(lw.down_proj(ops.silu_mul(_contiguous(lw.gate_up_proj(x)))))
             norm = self.final_norm if i == last else self.layers[i + 1].input_norm

@@ -150,6 +150,7 @@ def paged_attention(
     meta: AttentionMetadata,
     num_kv_heads: int,
     scale: float,
+    max_group: int = 8,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached keys/values.
 
@@ -158,7 +159,8 @@ def paged_attention(
     repeated keys. Returns [T, H*D].
     """
     if meta.block_tables is not None:
-        return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start, meta.context_lens, scale)
+        return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
+                                           max_group=max_group)
     t_total, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     out = q.new_empty(t_total, num_heads * head_dim)

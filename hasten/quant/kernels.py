@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from hasten.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
 
 KERNEL_DTYPE = torch.bfloat16
-_N_BLOCK = 32  # the CPU int4 layout interleaves rows in blocks of 32
+_N_BLOCK = 32  # the CPU int4 layouts interleave rows in blocks of 32 (AVX2) or 64 + a last 32 (AVX-512)
 
 
 def has_int4_kernel() -> bool:
@@ -42,29 +42,64 @@ def pack_int4_for_kernel(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
-def unpack_int4_kernel_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of `pack_int4_for_kernel`: uint8 codes [n, k].
-
-    Byte (b, kk, j) of the blocked layout holds row b*32 + j % 16 (+16 in the high nibble)
-    at column 2*kk + j // 16.
-    """
-    p = packed.reshape(n // _N_BLOCK, k // 2, 2, 16)  # [block, k pair, k parity, row in half]
+def _unpack_blocks32(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The AVX2 build's layout: blocks of 32 rows; byte (b, kk, j) holds row b*32 + j % 16 (+16 in
+    the high nibble) at column 2*kk + j // 16."""
+    p = packed.reshape(n // 32, k // 2, 2, 16)  # [block, k pair, k parity, row in half]
     low = (p & 0x0F).permute(0, 3, 1, 2)  # [block, row, k pair, parity]
     high = (p >> 4).permute(0, 3, 1, 2)
     return torch.stack((low, high), dim=1).reshape(n, k)
 
 
+def _unpack_blocks64(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The AVX-512 build's layout: blocks of 64 rows, byte (b, c, j) holding row b*64 + j (+32 in
+    the high nibble) at column c; a last block of 32 rows has byte (c, i) holding rows 2i (low)
+    and 2i + 1 (high) at column c."""
+    flat = packed.reshape(-1)
+    full = n // 64
+    p = flat[: full * 32 * k].reshape(full, k, 32)  # [block, column, row in half]
+    parts = [torch.cat(((p & 0x0F).transpose(1, 2), (p >> 4).transpose(1, 2)), dim=1).reshape(full * 64, k)]
+    if n % 64:
+        t = flat[full * 32 * k :].reshape(k, 16)  # [column, row pair]
+        parts.append(torch.stack((t & 0x0F, t >> 4), dim=2).reshape(k, 32).t())
+    return torch.cat(parts).contiguous()
+
+
+_LAYOUTS = {"blocks32": _unpack_blocks32, "blocks64": _unpack_blocks64}
+
+
 @functools.cache
-def int4_kernel_layout_known() -> bool:
-    """Check once that this torch build packs int4 the way `unpack_int4_kernel_layout` reads it."""
+def int4_kernel_layout() -> str | None:
+    """Which packed layout this torch build writes (it depends on the CPU: AVX2 or AVX-512), found
+    by packing known codes once; None when it is none of the layouts we can read."""
     if not has_int4_kernel():
-        return False
+        return None
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (64, 96), generator=gen, dtype=torch.uint8)
+    codes = torch.randint(0, 16, (96, 64), generator=gen, dtype=torch.uint8)
     try:
-        return bool(torch.equal(unpack_int4_kernel_layout(pack_int4_for_kernel(codes), 64, 96), codes))
+        packed = pack_int4_for_kernel(codes)
     except RuntimeError:
-        return False
+        return None
+    for name, unpack in _LAYOUTS.items():
+        try:
+            if torch.equal(unpack(packed, 96, 64), codes):
+                return name
+        except RuntimeError:
+            continue
+    return None
+
+
+def unpack_int4_kernel_layout(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `pack_int4_for_kernel`: uint8 codes [n, k] (n a multiple of 32)."""
+    layout = int4_kernel_layout()
+    if layout is None:
+        raise RuntimeError("this torch build packs int4 weights in a layout hasten cannot read")
+    return _LAYOUTS[layout](packed, n, k)
+
+
+def int4_kernel_layout_known() -> bool:
+    """Whether this torch build packs int4 in a layout `unpack_int4_kernel_layout` reads."""
+    return int4_kernel_layout() is not None
 
 
 class QuantLinear:

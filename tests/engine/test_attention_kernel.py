@@ -91,6 +91,59 @@ def test_float32_queries_over_a_narrow_cache(case, cache_dtype):
     assert torch.equal(layers.paged_attention(q, k, v, meta, kv_heads, head_dim**-0.5), got)
 
 
+def shared_prefix_inputs(gen, heads, kv_heads, head_dim, block_size, dtype):
+    """A mixed batch where decode sequences share leading blocks, as prefix-cache hits do.
+
+    Four sequences share 5 blocks (one ends inside the last shared block's successor), three share
+    2 blocks, two share only their first block (too little to group), plus one prefill chunk and one
+    lone decode; the shared blocks are the same block ids in every table.
+    """
+    bs = block_size
+    spec = [  # (prefix group, shared blocks, context, new tokens)
+        ("a", 5, 5 * bs + 9, 1), ("a", 5, 5 * bs + 1, 1), ("a", 5, 7 * bs + 3, 1), ("a", 5, 6 * bs, 1),
+        ("b", 2, 2 * bs + 5, 1), ("p", 0, 3 * bs + 2, 20), ("b", 2, 4 * bs + 11, 1), ("b", 2, 3 * bs, 1),
+        ("c", 1, bs + 7, 1), ("c", 1, 2 * bs + 1, 1), ("z", 0, 40, 1),
+    ]
+    width = max(-(-c // bs) for _, _, c, _ in spec)
+    num_blocks = len(spec) * width + 8
+    ids = iter(torch.randperm(num_blocks, generator=gen).tolist())
+    shared: dict[str, list[int]] = {}
+    tables = torch.zeros(len(spec), width, dtype=torch.int32)
+    for s, (grp, n_shared, _, _) in enumerate(spec):
+        lead = shared.setdefault(grp, [next(ids) for _ in range(n_shared)])
+        own = [next(ids) for _ in range(width - n_shared)]
+        tables[s] = torch.tensor(lead + own, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    new = [n for *_, n in spec]
+    query_start = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.long)
+    q = torch.randn(int(query_start[-1]), heads, head_dim, generator=gen) * 2
+    ctx = torch.tensor([c for _, _, c, _ in spec], dtype=torch.long)
+    return q, k_cache, v_cache, tables, query_start, ctx
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16), (8, 1, 32, 16), (6, 2, 20, 8)], ids=["gqa", "mqa", "portable"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_prefix_groups_are_bit_identical(cache_dtype, shape, threads):
+    """Decode sequences grouped over their shared prefix blocks give exactly the ungrouped result."""
+    heads, kv_heads, head_dim, bs = shape
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    inputs = shared_prefix_inputs(gen, heads, kv_heads, head_dim, bs, cache_dtype)
+    scale = head_dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = cpu_attention.paged_attention(*inputs, scale, max_group=1)
+        outs = [cpu_attention.paged_attention(*inputs, scale, max_group=g) for g in (2, 3, 8, 64)]
+    finally:
+        torch.set_num_threads(before)
+    for got in outs:
+        assert torch.equal(got, alone)
+    want = reference(*inputs, scale)
+    assert (alone.double() - want).abs().max().item() < 2e-5
+
+
 def test_kernel_matches_sdpa_path():
     """Both attention backends of hasten.model.layers agree on the same metadata."""
     gen = torch.Generator().manual_seed(7)

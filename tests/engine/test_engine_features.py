@@ -59,6 +59,25 @@ def test_shared_prefix_is_computed_once(tiny_models):
     assert second.num_cached_tokens == 96  # 6 full blocks of the 100-token shared prefix
 
 
+def test_prefix_groups_in_attention_change_nothing(tiny_models):
+    """Decode sequences that share cached system-prompt blocks are grouped in the attention kernel
+    (attention_prefix_group); tokens and logprobs are the same as without grouping or caching."""
+    systems = random_prompts(3, 300, seed=5, min_len=70, max_len=90)
+    prompts = [systems[i % 3] + [10 + i, 20 + i] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    results = []
+    for options in ({"attention_prefix_group": 8}, {"attention_prefix_group": 1}, {"enable_prefix_caching": False}):
+        llm = LLM(tiny_models("llama"), num_kv_blocks=512, max_model_len=1024, **options)
+        llm.generate(systems, SamplingParams(temperature=0, max_tokens=1))  # the system prompts are cached now
+        outs = llm.generate(prompts, params)
+        results.append(([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
+                        sum(o.num_cached_tokens for o in outs)))
+    grouped, alone, uncached = results
+    assert grouped[2] == alone[2] > 0 and uncached[2] == 0
+    assert grouped[:2] == alone[:2]  # bit-identical
+    assert grouped[0] == uncached[0]
+
+
 def test_cache_salt_keeps_tenants_apart(tiny_models):
     llm = LLM(tiny_models("llama"), num_kv_blocks=256, max_model_len=1024)
     prompt = random_prompts(1, 300, seed=4, min_len=64, max_len=65)[0]

@@ -31,7 +31,7 @@ def test_nibble_pack_round_trip():
     assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
 
 
-@pytest.mark.parametrize("n,k", [(64, 96), (960, 576), (32, 1536)])
+@pytest.mark.parametrize("n,k", [(64, 96), (960, 576), (32, 1536), (96, 64), (608, 128)])
 def test_kernel_layout_is_understood(n, k):
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     assert int4_kernel_layout_known()

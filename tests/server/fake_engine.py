@@ -109,6 +109,7 @@ class FakeAsyncLLM:
         self.aborted: list[str] = []
         self.seen_params: list[SamplingParams] = []
         self.seen_priorities: list[int] = []
+        self.paused = False  # tests set it to freeze the queues: the loop then runs no steps
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> FakeAsyncLLM:
@@ -191,7 +192,8 @@ class FakeAsyncLLM:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.step_time)
-            self.step()
+            if not self.paused:
+                self.step()
 
     def step(self) -> None:
         self.steps += 1

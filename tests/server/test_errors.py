@@ -139,9 +139,9 @@ def test_not_ready_is_503(fake_tokenizer) -> None:
 
 
 def test_queue_full_is_429_and_others_unaffected(fake_tokenizer) -> None:
-    # each stream runs 60 steps of 20 ms, so the full queue (1 running, 2 waiting) lasts over a second:
-    # at 5 ms a step it lasted 0.3 s and a loaded CI machine could start the third stream too late
-    engine = FakeAsyncLLM(fake_tokenizer, max_num_seqs=1, max_waiting=2, step_time=0.02)
+    # The queue is filled deterministically: one stream starts running, then the engine is paused
+    # (no steps) while two more queue up, so a slow machine cannot drain it before the check.
+    engine = FakeAsyncLLM(fake_tokenizer, max_num_seqs=1, max_waiting=2, step_time=0.005)
     results: dict[int, tuple[int, str]] = {}
 
     def long_stream(i: int) -> None:
@@ -150,14 +150,20 @@ def test_queue_full_is_429_and_others_unaffected(fake_tokenizer) -> None:
             with c.stream("POST", "/v1/completions", json=body) as r:
                 results[i] = (r.status_code, r.read().decode())
 
+    def wait_for(state: tuple[int, int]) -> None:
+        deadline = time.monotonic() + 20
+        while (seen := srv.call(lambda: (len(engine.running), len(engine.waiting)))) != state:
+            assert time.monotonic() < deadline, f"engine (running, waiting) = {seen}, waited for {state}"
+            time.sleep(0.005)
+
     with ServerThread(lambda: engine) as srv:
         threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(3)]
-        for t in threads:
+        threads[0].start()
+        wait_for((1, 0))
+        srv.call(lambda: setattr(engine, "paused", True))
+        for t in threads[1:]:
             t.start()
-        deadline = time.monotonic() + 10
-        while srv.call(lambda: (len(engine.running), len(engine.waiting))) != (1, 2):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_for((1, 2))
         with srv.client() as c:
             for stream in (False, True):
                 r = c.post("/v1/completions", json={"prompt": "x", "stream": stream})
@@ -166,6 +172,7 @@ def test_queue_full_is_429_and_others_unaffected(fake_tokenizer) -> None:
             # and a pile of bad requests while the good ones are running
             for body in ({"prompt": ""}, {"prompt": "x", "n": 0}, {"model": "m", "prompt": "x"}):
                 assert c.post("/v1/completions", json=body).status_code in (400, 404)
+        srv.call(lambda: setattr(engine, "paused", False))
         for t in threads:
             t.join(timeout=30)
     for status, text in results.values():
