@@ -25,6 +25,7 @@ CONFIGS = {
     "fp32 weights, fp32 cache": {},
     "gguf weights, fp32 cache": {"quantization": "gguf"},
     "gguf weights, fp16 cache": {"quantization": "gguf", "kv_cache_dtype": "float16"},
+    "gguf, fp16 cache, no q8 GEMM": {"quantization": "gguf", "kv_cache_dtype": "float16", "quant_q8_gemm": False},
 }
 
 
@@ -67,10 +68,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--configs", default=None, help="comma-separated indices into the list of configurations")
     args = ap.parse_args()
+    configs = list(CONFIGS.items())
+    if args.configs:
+        configs = [configs[int(i)] for i in args.configs.split(",")]
     base = None
     print(f"decode step, batch {args.batch}, {args.context}-token contexts, mean of {args.steps} steps")
-    for name, options in CONFIGS.items():
+    for name, options in configs:
         step_ms, kernels = measure(options, args.batch, args.context, args.steps)
         base = base or step_ms
         parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))

@@ -14,6 +14,10 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
 at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                             const at::Tensor& mins, int64_t group);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
+std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                                        int64_t group);
+at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                               const at::Tensor& mins8, int64_t group, int64_t N);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // paged_attention_cpu.cpp

@@ -27,6 +27,7 @@ enum class LinearKind { kDense, kTiled, kInt4, kInt4Q8, kInt8, kPython };
 struct Linear {
   LinearKind kind = LinearKind::kDense;
   at::Tensor w, scales, mins;  // dense/tiled: w [N, K]; int4: codes, scales, mins; int8: qweight, scales
+  std::optional<at::Tensor> packed8, scales8, mins8;  // int4_q8: the int8 GEMM's layout (int4_pack_rows8)
   int64_t group = 0;
   int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs (Int4HastenLinear's)
   std::optional<at::Tensor> bias, inv_input_scale;
@@ -50,7 +51,9 @@ struct Linear {
       case LinearKind::kInt4:
       case LinearKind::kInt4Q8: {
         const at::Tensor xc = x.contiguous();
-        if (x.size(0) >= gemm_min_rows)
+        if (x.size(0) >= gemm_min_rows && packed8)
+          y = int4_linear_q8_gemm(xc, *packed8, *scales8, *mins8, group, w.size(0));
+        else if (x.size(0) >= gemm_min_rows)
           y = int4_linear_gemm(xc, w, scales, mins, group);
         else
           y = kind == LinearKind::kInt4Q8 ? int4_linear_q8(xc, w, scales, mins, group)
@@ -83,6 +86,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
     }
   TORCH_CHECK(found, "unknown linear kind ", kind);
   const size_t want = l.kind == LinearKind::kPython                                       ? 0
+                      : l.kind == LinearKind::kInt4Q8 && tensors.size() == 6             ? 6
                       : l.kind == LinearKind::kInt4 || l.kind == LinearKind::kInt4Q8     ? 3
                       : l.kind == LinearKind::kInt8                                      ? 2
                                                                                          : 1;
@@ -90,6 +94,11 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
   if (want >= 1) l.w = tensors[0];
   if (want >= 2) l.scales = tensors[1];
   if (want >= 3) l.mins = tensors[2];
+  if (want == 6) {
+    l.packed8 = tensors[3];
+    l.scales8 = tensors[4];
+    l.mins8 = tensors[5];
+  }
   TORCH_CHECK(l.kind == LinearKind::kPython || !callable || callable.is_none(), "only python linears take a callable");
   TORCH_CHECK(l.kind != LinearKind::kPython || (callable && !callable.is_none()), "a python linear needs a callable");
   l.group = group;
@@ -233,6 +242,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, nogil, "y = x W^T with int8 weights (per-row float32 scales), float32 x");
   m.def("float_linear", &float_linear, nogil, "y = x W^T, float32, through the register tiles");
   m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
+  m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
+  m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,
+        "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
         "Paged attention over a block pool (CPU)");
@@ -244,7 +256,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear", "one projection of DecoderLoop: kind, its tensors, bias, AWQ input scale");
   m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
         arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2,
-        "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group) | int8 [qweight, scales] | python (callable)");
+        "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group; int4_q8 may add int4_pack_rows8's "
+        "three tensors for its int8 GEMM) | int8 [qweight, scales] | python (callable)");
   py::class_<DecoderLoop>(m, "DecoderLoop", "the decoder's layer loop in C++ (see decoder_loop_cpu.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("scale"), arg("embed"), arg("final_norm"),

@@ -36,6 +36,25 @@ def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     return mod.int4_linear_q8(x, codes, scales, mins, group)
 
 
+def int4_pack_rows8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> list[torch.Tensor]:
+    """The weight in int4_linear_q8_gemm's layout: (packed uint8 [ceil(N/8), K/8, 8, 4], scales and
+    mins float32 [ceil(N/8), K/group, 8]); 8 weight rows side by side (quant_linear_q8_cpu.cpp)."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
+    return mod.int4_pack_rows8(codes, scales, mins, group)
+
+
+def int4_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Tensor, mins8: torch.Tensor,
+                        group: int, n: int) -> torch.Tensor:
+    """int4_linear_q8's arithmetic for many rows of x (x rounded to int8 per 32 values), as integer
+    multiply-adds over 8 weight rows at once (VNNI where the CPU has it); the weight from int4_pack_rows8."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
+    return mod.int4_linear_q8_gemm(x, packed, scales8, mins8, group, n)
+
+
 def int4_linear_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
     """As int4_linear, computed by dequantizing 64 weight rows at a time to float32 (in cache) and
     running the float32 GEMM on each block: faster once x has more than a few rows."""

@@ -29,7 +29,8 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
         return mod.make_linear("dense", [layer.weight], bias=layer.bias)
     if isinstance(layer, Int4HastenLinear):
         kind = "int4_q8" if layer.int8_activations else "int4"
-        return mod.make_linear(kind, [layer.codes, layer.scales, layer.mins], layer.group_size, layer.bias,
+        tensors = [layer.codes, layer.scales, layer.mins] + (list(layer.rows8) if layer.rows8 is not None else [])
+        return mod.make_linear(kind, tensors, layer.group_size, layer.bias,
                                layer.inv_input_scale, gemm_min_rows=layer.gemm_min_rows)
     if isinstance(layer, Int8Linear) and layer.kernel == "hasten":
         return mod.make_linear("int8", [layer.qweight, layer.scales], 0, layer.bias, layer.inv_input_scale)

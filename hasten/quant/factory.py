@@ -45,6 +45,7 @@ class QuantOptions:
     max_kernel_rows: int = 32
     int4_kernel: str = "auto"  # auto | hasten (our C++ kernel) | torch (aten int4pack, bf16 activations)
     int8_kernel: str = "auto"  # auto | hasten (our C++ kernel) | torch (aten int8pack, bf16 activations)
+    q8_gemm: bool = True  # hasten-q8 int4 layers: batches of 2+ rows through the int8 GEMM too
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -71,13 +72,14 @@ class QuantOptions:
             max_kernel_rows=int(getattr(config, "quant_kernel_max_rows", 32)),
             int4_kernel=str(getattr(config, "quant_int4_kernel", "auto")),
             int8_kernel=str(getattr(config, "quant_int8_kernel", "auto")),
+            q8_gemm=bool(getattr(config, "quant_q8_gemm", True)),
             dtype=dtype,
         )
 
     def key(self) -> dict:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
-        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel"):
+        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm"):
             d.pop(k)
         if self.mode == "int8":
             d.pop("group_size")
@@ -190,7 +192,8 @@ class QuantizingFactory:
             self.made[name] = qw
             self._maybe_save()
         qw.bias = bias
-        layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel)
+        layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel,
+                           q8_gemm=self.opts.q8_gemm)
         self.layers[name] = layer
         return layer
 
@@ -217,5 +220,5 @@ def linear_factory_for(config, model_folder: Path) -> LinearFactory:
         from hasten.quant.gguf_blocks import GGUFLinearFactory, gguf_source
 
         return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
-                                 opts.int8_kernel)
+                                 opts.int8_kernel, opts.q8_gemm)
     return QuantizingFactory(opts, folder)

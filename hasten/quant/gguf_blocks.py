@@ -107,7 +107,7 @@ class GGUFLinearFactory:
 
     def __init__(
         self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto",
-        int8_kernel: str = "auto",
+        int8_kernel: str = "auto", q8_gemm: bool = True,
     ):
         from gguf import GGUFReader
 
@@ -122,6 +122,7 @@ class GGUFLinearFactory:
         self.max_kernel_rows = max_kernel_rows
         self.int4_kernel = int4_kernel
         self.int8_kernel = int8_kernel
+        self.q8_gemm = q8_gemm
         self.quantize_lm_head = quantize_lm_head
         self.report: dict[str, str] = {}  # layer name -> how it was served
 
@@ -167,7 +168,7 @@ class GGUFLinearFactory:
         if tuple(qw.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: GGUF blocks give {qw.shape}, the model expects {tuple(weight.shape)}")
         qw.bias = bias
-        return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel, INT4_AUTO_GGUF)
+        return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel, INT4_AUTO_GGUF, self.q8_gemm)
 
 
 def gguf_source(folder: Path) -> Path:

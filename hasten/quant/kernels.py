@@ -253,11 +253,14 @@ class Int4HastenLinear(QuantLinear):
     # takes the dot-product kernel that unpacks the codes in registers.
     gemm_min_rows = 2
 
-    def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32, int8_activations: bool = False):
+    def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32, int8_activations: bool = False,
+                 q8_gemm: bool = True):
+        """int8_activations: x rounded to int8 per 32 values (llama.cpp's scheme); with q8_gemm also for
+        2+ rows, through int4_linear_q8_gemm over a second copy of the codes (8 rows side by side)."""
         n, k = qw.shape
         # max_kernel_rows does not apply: the GEMM path is never slower than dequantize + matmul
         super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62)
-        from hasten.kernels.quant_linear import int4_linear, int4_linear_gemm, int4_linear_q8
+        from hasten.kernels.quant_linear import int4_linear, int4_linear_gemm, int4_linear_q8, int4_pack_rows8
 
         self.int8_activations = int8_activations
         self._op = int4_linear_q8 if int8_activations else int4_linear
@@ -266,8 +269,15 @@ class Int4HastenLinear(QuantLinear):
         self.codes = qw.qweight.contiguous()
         self.scales = qw.scales.to(torch.float16).contiguous()
         self.mins = qw.mins.to(torch.float16).contiguous()
+        self.rows8: list[torch.Tensor] | None = None  # int4_linear_q8_gemm's layout (packed, scales8, mins8)
+        if int8_activations and q8_gemm:
+            self.rows8 = int4_pack_rows8(self.codes, self.scales, self.mins, self.group_size)
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.gemm_min_rows and self.rows8 is not None:
+            from hasten.kernels.quant_linear import int4_linear_q8_gemm
+
+            return self._float32_call(int4_linear_q8_gemm, x, *self.rows8, self.group_size, self.n)
         op = self._op if x.shape[0] < self.gemm_min_rows else self._gemm
         return self._float32_call(op, x, self.codes, self.scales, self.mins, self.group_size)
 
@@ -279,6 +289,7 @@ class Int4HastenLinear(QuantLinear):
     @property
     def nbytes(self) -> int:
         total = self.codes.numel() + (self.scales.numel() + self.mins.numel()) * 2
+        total += sum(t.numel() * t.element_size() for t in self.rows8) if self.rows8 is not None else 0
         total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
@@ -336,10 +347,10 @@ class Int4Linear(QuantLinear):
 
 
 def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
-               int8_kernel: str = "auto", int4_auto: str = INT4_AUTO) -> QuantLinear:
+               int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True) -> QuantLinear:
     if isinstance(qw, Int8Weight):
         return Int8Linear(qw, max_kernel_rows, int8_kernel)
     kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
     if kernel.startswith("hasten"):
-        return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8")
+        return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8", q8_gemm=q8_gemm)
     return Int4Linear(qw, max_kernel_rows)

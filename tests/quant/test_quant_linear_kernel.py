@@ -38,26 +38,34 @@ def q8_reference(x, codes, scales, mins, group):
     return main + sums @ mins.double().t()
 
 
+def q8_gemm(x, packed_codes, scales, mins, group):
+    """int4_linear_q8_gemm over the weight repacked 8 rows side by side."""
+    rows8 = int4_linear.int4_pack_rows8(packed_codes, scales, mins, group)
+    return int4_linear.int4_linear_q8_gemm(x, *rows8, group, packed_codes.shape[0])
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11])
 @pytest.mark.parametrize("n,k,group", [(33, 64, 32), (100, 576, 32), (64, 1536, 64), (7, 256, 128), (5, 96, 32)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("variant", ["float", "q8", "gemm"])
+@pytest.mark.parametrize("variant", ["float", "q8", "gemm", "q8gemm"])
 def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
     gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
     codes, scales, mins = random_weight(gen, n, k, group)
     x = torch.randn(m, k, generator=gen)
-    op = {"float": int4_linear.int4_linear, "q8": int4_linear.int4_linear_q8, "gemm": int4_linear.int4_linear_gemm}[variant]
+    op = {"float": int4_linear.int4_linear, "q8": int4_linear.int4_linear_q8, "gemm": int4_linear.int4_linear_gemm,
+          "q8gemm": q8_gemm}[variant]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         y = op(x, pack_nibbles(codes), scales, mins, group)
     finally:
         torch.set_num_threads(before)
-    want = (q8_reference if variant == "q8" else reference)(x, codes, scales, mins, group)
+    q8 = variant in ("q8", "q8gemm")
+    want = (q8_reference if q8 else reference)(x, codes, scales, mins, group)
     err = (y.double() - want).abs().max().item() / want.abs().max().item()
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert err < 1e-5
-    if variant == "q8":  # and it stays close to the float result
+    if q8:  # and it stays close to the float result
         exact = reference(x, codes, scales, mins, group)
         assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
 
@@ -136,8 +144,26 @@ def test_layer_uses_kernel_and_matches_its_dequantized_weight():
     assert resolve_int4_kernel("torch", 32) == "torch"
     assert resolve_int4_kernel("auto", 32) in ("hasten", "hasten-q8")
     assert make_layer(qw, int4_kernel="hasten-q8").int8_activations
+    assert make_layer(qw, int4_kernel="hasten-q8", q8_gemm=False).rows8 is None
     with pytest.raises(ValueError):
         resolve_int4_kernel("fast", 32)
+
+
+def test_q8_layer_runs_every_row_count_in_int8():
+    """hasten-q8 layers: one row through the dot kernel, 2+ rows through the int8 GEMM; both are the
+    int8-activation scheme exactly (AWQ input scale and bias included)."""
+    gen = torch.Generator().manual_seed(4)
+    codes, scales, mins = random_weight(gen, 45, 192, 64)
+    qw = Int4Weight(pack_nibbles(codes), scales.float(), mins.float(), 64, bias=torch.randn(45, generator=gen),
+                    input_scale=torch.rand(192, generator=gen) + 0.5)
+    layer = make_layer(qw, int4_kernel="hasten-q8")
+    assert layer.rows8 is not None and layer.nbytes > make_layer(qw, int4_kernel="hasten-q8", q8_gemm=False).nbytes
+    for rows in (1, 2, 5, 16, 33):
+        x = torch.randn(rows, 192, generator=gen)
+        want = q8_reference(x * layer.inv_input_scale, codes, scales, mins, 64) + qw.bias.double()
+        assert (layer(x).double() - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    with pytest.raises(RuntimeError, match="int4_pack_rows8"):
+        int4_linear.int4_linear_q8_gemm(torch.randn(2, 192), layer.rows8[0], layer.rows8[1], layer.rows8[2], 64, 60)
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 70])
