@@ -40,7 +40,7 @@ class EngineConfig:
     quantize_lm_head: bool = True  # False keeps lm_head in the engine dtype
     quant_cache_dir: str | None = None  # where quantized weights are saved; None = <hasten cache>/quant
     quant_int4_kernel: str = "auto"  # auto | hasten (C++ AVX2, float32 activations) | torch (aten, bf16 activations)
-    quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 activations, exact) | torch (aten, bf16 activations)
+    quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 x, exact) | hasten-q8 (int8 x) | torch (aten, bf16 x); auto = hasten, GGUF Q8_0: hasten-q8
     quant_q8_gemm: bool = True  # int8-activation int4 layers: 2+ rows in int8 too (u8 x s8 GEMM; False: float32 GEMM)
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)

@@ -6,7 +6,8 @@
 #include <ATen/ATen.h>
 
 // quant_linear_cpu.cpp: weight-only int4 / int8 linears and the float32 register-tile linear;
-// quant_linear_q8_cpu.cpp: int4_linear_q8 (int8 activations)
+// quant_linear_q8_cpu.cpp: int4_linear_q8 (int8 activations); quant_gemm_q8_cpu.cpp: the int8-activation
+// GEMMs (weights repacked 8 rows side by side by the *_pack_rows8 functions)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                        int64_t group);
 at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -18,6 +19,8 @@ std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tenso
                                         int64_t group);
 at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
                                const at::Tensor& mins8, int64_t group, int64_t N);
+std::vector<at::Tensor> int8_pack_rows8(const at::Tensor& qweight, const at::Tensor& scales);
+at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8, int64_t N);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // paged_attention_cpu.cpp

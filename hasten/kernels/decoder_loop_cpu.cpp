@@ -242,6 +242,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, nogil, "y = x W^T with int8 weights (per-row float32 scales), float32 x");
   m.def("float_linear", &float_linear, nogil, "y = x W^T, float32, through the register tiles");
   m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
+  m.def("int8_pack_rows8", &int8_pack_rows8, nogil, "int8 weight and row scales -> the layout of int8_linear_q8_gemm");
+  m.def("int8_linear_q8_gemm", &int8_linear_q8_gemm, nogil,
+        "y = x W^T for int8 W with x quantized to int8 per 32 values: u8 x s8 multiply-adds over 8 weight rows at once");
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
   m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");

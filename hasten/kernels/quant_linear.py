@@ -55,6 +55,24 @@ def int4_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Te
     return mod.int4_linear_q8_gemm(x, packed, scales8, mins8, group, n)
 
 
+def int8_pack_rows8(qweight: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
+    """The weight in int8_linear_q8_gemm's layout: (packed int8 [ceil(N/8), K/4, 8, 4], scales float32
+    [ceil(N/8) * 8]); 8 weight rows side by side (quant_gemm_q8_cpu.cpp)."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
+    return mod.int8_pack_rows8(qweight, scales)
+
+
+def int8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Tensor, n: int) -> torch.Tensor:
+    """y = x W^T for int8 weights with x rounded to int8 per 32 values (llama.cpp's Q8_0 scheme),
+    as integer multiply-adds over 8 weight rows at once; the weight from int8_pack_rows8."""
+    mod = _ext.module or load()
+    if mod is None:
+        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
+    return mod.int8_linear_q8_gemm(x, packed, scales8, n)
+
+
 def int4_linear_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
     """As int4_linear, computed by dequantizing 64 weight rows at a time to float32 (in cache) and
     running the float32 GEMM on each block: faster once x has more than a few rows."""

@@ -148,7 +148,7 @@ class GGUFLinearFactory:
         return qw
 
     def __call__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
-        from hasten.quant.kernels import INT4_AUTO_GGUF, make_layer
+        from hasten.quant.kernels import INT4_AUTO_GGUF, INT8_AUTO_GGUF, make_layer
 
         if name == "lm_head" and not self.quantize_lm_head:
             self.report[name] = "dense"
@@ -168,7 +168,8 @@ class GGUFLinearFactory:
         if tuple(qw.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: GGUF blocks give {qw.shape}, the model expects {tuple(weight.shape)}")
         qw.bias = bias
-        return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel, INT4_AUTO_GGUF, self.q8_gemm)
+        return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel, INT4_AUTO_GGUF, self.q8_gemm,
+                          INT8_AUTO_GGUF)
 
 
 def gguf_source(folder: Path) -> Path:

@@ -157,13 +157,18 @@ class QuantLinear:
         raise NotImplementedError
 
 
-INT8_KERNELS = ("auto", "hasten", "torch")
+INT8_KERNELS = ("auto", "hasten", "hasten-q8", "torch")
+INT8_AUTO = "hasten"  # hasten's own int8 quantization: exact
+# a GGUF's Q8_0 rows (the tied embedding / lm_head): llama.cpp's scheme, x rounded to int8 per 32
+INT8_AUTO_GGUF = "hasten-q8"
 
 
-def resolve_int8_kernel(name: str) -> str:
-    """Which int8 matmul runs: "hasten" (our C++ kernel: weight blocks dequantized in cache, float32
-    activations, exact) or "torch" (torch._weight_int8pack_mm, bfloat16 activations). auto = hasten
-    when it builds here."""
+def resolve_int8_kernel(name: str, auto: str = INT8_AUTO) -> str:
+    """Which int8 matmul runs:
+    "hasten"    our C++ kernel (weight blocks dequantized in cache, float32 activations, exact);
+    "hasten-q8" x rounded to int8 per 32 values, integer multiply-adds (int8_linear_q8_gemm);
+    "torch"     torch._weight_int8pack_mm, bfloat16 activations.
+    "auto" picks `auto` when our kernels build here, else torch."""
     if name not in INT8_KERNELS:
         raise ValueError(f"int8 kernel must be one of {INT8_KERNELS}, got {name!r}")
     if name == "torch":
@@ -171,31 +176,41 @@ def resolve_int8_kernel(name: str) -> str:
     from hasten.kernels import quant_linear
 
     if quant_linear.load() is None:
-        if name == "hasten":
+        if name != "auto":
             raise RuntimeError(f"the hasten int8 kernel cannot run here: {quant_linear.load_error()}")
         return "torch"
-    return "hasten"
+    return auto if name == "auto" else name
 
 
 class Int8Linear(QuantLinear):
     kind = "int8"
 
-    def __init__(self, qw: Int8Weight, max_kernel_rows: int = 32, kernel: str = "auto"):
+    def __init__(self, qw: Int8Weight, max_kernel_rows: int = 32, kernel: str = "auto", auto: str = INT8_AUTO):
         n, k = qw.shape
-        self.kernel = resolve_int8_kernel(kernel)
-        # our kernel has a path for every row count (max_kernel_rows is torch's kernel's limit)
-        super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62 if self.kernel == "hasten" else max_kernel_rows)
+        self.kernel = resolve_int8_kernel(kernel, auto)
+        if self.kernel == "hasten-q8" and k % 32:
+            self.kernel = "hasten"  # x is rounded per 32 values: K must split into such runs
+        ours = self.kernel.startswith("hasten")
+        # our kernels have a path for every row count (max_kernel_rows is torch's kernel's limit)
+        super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62 if ours else max_kernel_rows)
         self.qweight = qw.qweight.contiguous()
-        if self.kernel == "hasten":
-            from hasten.kernels.quant_linear import int8_linear
+        self.rows8: list[torch.Tensor] | None = None  # int8_linear_q8_gemm's layout (hasten-q8)
+        if ours:
+            from hasten.kernels.quant_linear import int8_linear, int8_pack_rows8
 
             self._op = int8_linear
             self.scales = qw.scales.float().contiguous()
+            if self.kernel == "hasten-q8":
+                self.rows8 = int8_pack_rows8(self.qweight, self.scales)
         else:
             self.scales = qw.scales.to(KERNEL_DTYPE).contiguous()
             self.use_kernel = has_int8_kernel()
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows8 is not None:
+            from hasten.kernels.quant_linear import int8_linear_q8_gemm
+
+            return self._float32_call(int8_linear_q8_gemm, x, *self.rows8, self.n)
         if self.kernel != "hasten":
             return super()._run_kernel(x)
         return self._float32_call(self._op, x, self.qweight, self.scales)
@@ -209,6 +224,7 @@ class Int8Linear(QuantLinear):
     @property
     def nbytes(self) -> int:
         total = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+        total += sum(t.numel() * t.element_size() for t in self.rows8) if self.rows8 is not None else 0
         total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
@@ -347,9 +363,10 @@ class Int4Linear(QuantLinear):
 
 
 def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
-               int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True) -> QuantLinear:
+               int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True,
+               int8_auto: str = INT8_AUTO) -> QuantLinear:
     if isinstance(qw, Int8Weight):
-        return Int8Linear(qw, max_kernel_rows, int8_kernel)
+        return Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
     kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
     if kernel.startswith("hasten"):
         return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8", q8_gemm=q8_gemm)

@@ -1,7 +1,8 @@
 """The portable build of the CPU kernels (HASTEN_NATIVE_ARCH=0: no -march=native, so none of the
-AVX2 / F16C paths) must compile and give the same answers: the kernel tests run again in a
-subprocess against that build. Without this, a change to an AVX2 path can break the generic code
-unnoticed (it did once: an AVX2-only constant used outside its #if)."""
+AVX2 / F16C paths) and the plain-AVX2 build (HASTEN_NATIVE_ARCH=avx2: no AVX-512, no VNNI, as on
+CPUs without them) must compile and give the same answers: the kernel tests run again in a
+subprocess against each build. Without this, a change to one path can break another unnoticed (it
+did once: an AVX2-only constant used outside its #if)."""
 from __future__ import annotations
 
 import os
@@ -21,10 +22,14 @@ KERNEL_TESTS = [
 ]
 
 
-@pytest.mark.skipif(os.environ.get("HASTEN_NATIVE_ARCH") == "0", reason="already the generic build")
+@pytest.mark.parametrize("arch", ["0", "avx2"])
+@pytest.mark.skipif(os.environ.get("HASTEN_NATIVE_ARCH", "1") != "1", reason="already a reduced build")
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
-def test_kernel_tests_pass_in_the_generic_build():
-    env = dict(os.environ, HASTEN_NATIVE_ARCH="0")
+def test_kernel_tests_pass_in_the_generic_build(arch):
+    cpuinfo = Path("/proc/cpuinfo")
+    if arch == "avx2" and not (cpuinfo.exists() and "avx2" in cpuinfo.read_text()):
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, HASTEN_NATIVE_ARCH=arch)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,

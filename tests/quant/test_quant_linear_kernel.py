@@ -182,6 +182,35 @@ def test_int8_kernel_matches_reference(m, n, k):
     assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
 
 
+def q8_runs(x):
+    """x rounded to int8 per 32 values, as the kernels do (values, not codes), in float64."""
+    m, k = x.shape
+    runs = x.double().view(m, k // 32, 32)
+    d = runs.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(d > 0, torch.round(runs / d.clamp_min(1e-300)), 0) * d).view(m, k)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (8, 96), (3, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_q8_gemm_matches_reference(m, n, k, threads):
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)  # -128 included: the extremes
+    scales = torch.rand(n, generator=gen) * 0.02 + 0.001
+    x = torch.randn(m, k, generator=gen) * 3
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = int4_linear.int8_linear_q8_gemm(x, *int4_linear.int8_pack_rows8(q, scales), n)
+    finally:
+        torch.set_num_threads(before)
+    want = q8_runs(x) @ (q.double() * scales.double()[:, None]).t()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+    exact = x.double() @ (q.double() * scales.double()[:, None]).t()
+    assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
+
+
 def test_int8_layer_kernels_agree():
     from hasten.quant.formats import quantize_int8
     from hasten.quant.kernels import Int8Linear, resolve_int8_kernel
@@ -196,5 +225,12 @@ def test_int8_layer_kernels_agree():
     want = x.double() @ ours.dequantize().double().t() + qw.bias.double()
     assert torch.allclose(ours(x).double(), want, atol=1e-4, rtol=1e-5)  # exact float32 path
     assert torch.allclose(theirs(x).double(), want, atol=0.1, rtol=0.02)  # bfloat16 activations
+    q8 = make_layer(qw, int8_kernel="hasten-q8")
+    assert q8.kernel == "hasten-q8" and q8.rows8 is not None
+    assert torch.allclose(q8(x).double(), q8_runs(x) @ ours.dequantize().double().t() + qw.bias.double(),
+                          atol=1e-4, rtol=1e-5)
+    assert make_layer(qw, int8_kernel="auto", int8_auto="hasten-q8").kernel == "hasten-q8"
+    odd = quantize_int8(torch.randn(8, 40, generator=gen))  # K not a multiple of 32: the exact kernel
+    assert make_layer(odd, int8_kernel="hasten-q8").kernel == "hasten"
     with pytest.raises(ValueError):
         resolve_int8_kernel("fast")

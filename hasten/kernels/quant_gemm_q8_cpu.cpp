@@ -1,0 +1,384 @@
+// int8-activation GEMMs for 2+ rows of x (batched decode, prefill): int4 weights (GGUF Q4_0 / Q4_1,
+// hasten-q8 layers) and int8 weights (GGUF Q8_0 rows), x quantized per 32 k to int8 as in
+// quant_linear_q8_cpu.cpp but in natural k order.
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "float_tiles.h"
+#include "int4_common.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+using namespace hasten_int4;
+
+namespace {
+
+// ---- int4 weights -------------------------------------------------------------------------------
+// The weight is repacked once (int4_pack_rows8) so that 8 weight rows sit side by side: byte
+// (nb, kb, r, j) of `packed` [N8, K / 8, 8, 4] holds code[8 nb + r][8 kb + j] in its low nibble and
+// code[8 nb + r][8 kb + 4 + j] in its high one; scales and mins become float32 [N8, G, 8]. One 32-byte
+// load is then 4 consecutive k of 8 weight rows (one row per 32-bit lane), and a u8 x s8
+// multiply-add against 4 bytes of x broadcast to every lane yields 8 output columns at once. x is
+// quantized per 32 k to int8 (as int4_linear_q8, in natural k order); each 32-run's integer sums are
+// scaled once (weight scale x activation scale), the min term uses the exact float group sums.
+// With AVX-VNNI / AVX512-VNNI one instruction does the u8 x s8 multiply-add into int32; plain
+// AVX2 uses maddubs into int16 (a run's 8 partial sums stay below 8 * 2 * 15 * 127 < 2^15).
+
+void quantize_x_q8_natural(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
+  const int64_t C = K / kChunk, G = K / group;
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr = x + m * K;
+      for (int64_t c = 0; c < C; ++c) {
+        const float* xc = xr + c * kChunk;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int64_t i = 0; i < kChunk; ++i) xq[m * K + c * kChunk + i] = static_cast<int8_t>(std::nearbyint(xc[i] * inv));
+        xd[m * C + c] = d;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < group; ++i) sum += xr[g * group + i];
+        xs[m * G + g] = sum;
+      }
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HASTEN_Q8_VNNI 1
+inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+#elif defined(__AVXVNNI__)
+#define HASTEN_Q8_VNNI 1
+inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#endif
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// MR rows of x (starting at xq, xd, xs) against the 8 weight rows of one packed block.
+template <int MR>
+inline void q8_gemm_tile(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, int64_t per_group,
+                         const uint8_t* w, const float* s8, const float* m8, float* out, int64_t ldo, int64_t cols) {
+  const int64_t C = K / kChunk;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m256i run[MR];
+    for (int r = 0; r < MR; ++r) run[r] = _mm256_setzero_si256();
+    for (int64_t kb = 4 * c; kb < 4 * c + 4; ++kb) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kb * 32));
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xq + r * K + kb * 8;
+#if defined(HASTEN_Q8_VNNI)
+        run[r] = dot_u8s8(dot_u8s8(run[r], lo, broadcast4(xr)), hi, broadcast4(xr + 4));
+#else
+        run[r] = _mm256_add_epi16(run[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
+                                                           _mm256_maddubs_epi16(hi, broadcast4(xr + 4))));
+#endif
+      }
+    }
+    const __m256 sv = _mm256_loadu_ps(s8 + (c / per_group) * 8);
+    for (int r = 0; r < MR; ++r) {
+#if defined(HASTEN_Q8_VNNI)
+      const __m256i sums = run[r];
+#else
+      const __m256i sums = _mm256_madd_epi16(run[r], _mm256_set1_epi16(1));
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * C + c])), acc[r]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 mv = _mm256_loadu_ps(m8 + g * 8);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (cols == 8) {
+      _mm256_storeu_ps(out + r * ldo, acc[r]);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[r]);
+      std::copy(tmp, tmp + cols, out + r * ldo);
+    }
+  }
+}
+#endif
+
+// The same sums in plain C++ (no AVX2): one x row against one packed block.
+void q8_gemm_row_generic(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, int64_t per_group,
+                         const uint8_t* w, const float* s8, const float* m8, float* out, int64_t cols) {
+  const int64_t C = K / kChunk;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t c = 0; c < C; ++c) {
+    int32_t run[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t kb = 4 * c; kb < 4 * c + 4; ++kb)
+      for (int r = 0; r < 8; ++r)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t b = w[kb * 32 + r * 4 + j];
+          run[r] += (b & 0x0F) * xq[kb * 8 + j] + (b >> 4) * xq[kb * 8 + 4 + j];
+        }
+    for (int r = 0; r < 8; ++r) acc[r] += static_cast<float>(run[r]) * (s8[(c / per_group) * 8 + r] * xd[c]);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int r = 0; r < 8; ++r) acc[r] += m8[g * 8 + r] * xs[g];
+  std::copy(acc, acc + cols, out);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                                        int64_t group) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be contiguous uint8 [N, K / 2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  const int64_t G = K / group, N8 = (N + 7) / 8;
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == G,
+                "scales and mins must be contiguous float16 [N, K / group]");
+  auto packed = at::zeros({N8, K / 8, 8, 4}, codes.options());
+  auto s8 = at::zeros({N8, G, 8}, scales.options().dtype(at::kFloat));
+  auto m8 = at::zeros({N8, G, 8}, scales.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* s8p = s8.data_ptr<float>();
+  float* m8p = m8.data_ptr<float>();
+  auto code = [&](int64_t n, int64_t k) -> uint8_t {
+    const uint8_t b = cp[n * (K / 2) + k / 2];
+    return k % 2 ? b >> 4 : b & 0x0F;
+  };
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t nb = n / 8, r = n % 8;
+    for (int64_t kb = 0; kb < K / 8; ++kb)
+      for (int64_t j = 0; j < 4; ++j)
+        pp[((nb * (K / 8) + kb) * 8 + r) * 4 + j] =
+            static_cast<uint8_t>(code(n, 8 * kb + j) | (code(n, 8 * kb + 4 + j) << 4));
+    for (int64_t g = 0; g < G; ++g) {
+      s8p[(nb * G + g) * 8 + r] = half_to_float(sp[n * G + g]);
+      m8p[(nb * G + g) * 8 + r] = half_to_float(mp[n * G + g]);
+    }
+  }
+  return {packed, s8, m8};
+}
+
+at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                               const at::Tensor& mins8, int64_t group, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N8 = (N + 7) / 8;
+  TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  const int64_t G = K / group, C = K / kChunk, per_group = group / kChunk;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == N8 && packed.size(1) * 8 == K && packed.size(2) == 8 && packed.size(3) == 4,
+              "packed must be the uint8 [ceil(N / 8), K / 8, 8, 4] of int4_pack_rows8");
+  for (const auto* t : {&scales8, &mins8})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == N8 &&
+                    t->size(1) == G && t->size(2) == 8,
+                "scales8 and mins8 must be the float32 [ceil(N / 8), K / group, 8] of int4_pack_rows8");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto xd = at::empty({M, C}, x.options());
+  auto xs = at::empty({M, G}, x.options());
+  quantize_x_q8_natural(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                        xs.data_ptr<float>());
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* xdp = xd.data_ptr<float>();
+  const float* xsp = xs.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales8.data_ptr<float>();
+  const float* mp = mins8.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // blocks of 8 weight rows across threads (8 blocks at least per task); each block's codes stay in
+  // L1 while every tile of x rows passes over them
+  at::parallel_for(0, N8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const uint8_t* w = wp + nb * (K / 8) * 32;
+      const float* s8 = sp + nb * G * 8;
+      const float* m8 = mp + nb * G * 8;
+      const int64_t cols = std::min<int64_t>(8, N - nb * 8);
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        const int8_t* xr = xqp + m * K;
+        const float* dr = xdp + m * C;
+        const float* sr = xsp + m * G;
+        float* out = yp + m * N + nb * 8;
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (rows) {
+          case 4: q8_gemm_tile<4>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
+          case 3: q8_gemm_tile<3>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
+          case 2: q8_gemm_tile<2>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
+          default: q8_gemm_tile<1>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
+        }
+#else
+        for (int64_t r = 0; r < rows; ++r)
+          q8_gemm_row_generic(xr + r * K, dr + r * C, sr + r * G, K, G, per_group, w, s8, m8, out + r * N, cols);
+#endif
+      }
+    }
+  });
+  return y;
+}
+
+
+// ---- int8 weights (per-row scale) ---------------------------------------------------------------
+// Packed as int4 above but one byte per value: byte (nb, kb, r, j) of [N8, K / 4, 8, 4] is
+// qweight[8 nb + r][4 kb + j]. y[m][n] = scale[n] * sum_runs d[m][run] * (integer run sum). VNNI
+// multiplies unsigned by signed bytes, so the weight goes in as w + 128 and 128 * (x's run sum) comes
+// off again; plain AVX2 multiplies |w| by x carrying w's sign (pairs below 2 * 128 * 127 < 2^15).
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int MR>
+inline void q8_gemm_tile_int8(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t K, const int8_t* w,
+                              const float* scales, float* out, int64_t ldo, int64_t cols) {
+  const int64_t C = K / kChunk;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m256i run[MR];
+    for (int r = 0; r < MR; ++r) run[r] = _mm256_setzero_si256();
+    for (int64_t kb = 8 * c; kb < 8 * c + 8; ++kb) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kb * 32));
+#if defined(HASTEN_Q8_VNNI)
+      const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128
+      for (int r = 0; r < MR; ++r) run[r] = dot_u8s8(run[r], u, broadcast4(xq + r * K + kb * 4));
+#else
+      const __m256i a = _mm256_abs_epi8(v);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xs = _mm256_sign_epi8(broadcast4(xq + r * K + kb * 4), v);
+        run[r] = _mm256_add_epi32(run[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, xs), _mm256_set1_epi16(1)));
+      }
+#endif
+    }
+    for (int r = 0; r < MR; ++r) {
+#if defined(HASTEN_Q8_VNNI)
+      const __m256i sums = _mm256_sub_epi32(run[r], _mm256_set1_epi32(128 * xsum[r * C + c]));
+#else
+      const __m256i sums = run[r];
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(xd[r * C + c]), acc[r]);
+    }
+  }
+  const __m256 sv = _mm256_loadu_ps(scales);
+  for (int r = 0; r < MR; ++r) {
+    const __m256 yv = _mm256_mul_ps(acc[r], sv);
+    if (cols == 8) {
+      _mm256_storeu_ps(out + r * ldo, yv);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, yv);
+      std::copy(tmp, tmp + cols, out + r * ldo);
+    }
+  }
+}
+#endif
+
+void q8_gemm_row_int8_generic(const int8_t* xq, const float* xd, int64_t K, const int8_t* w, const float* scales,
+                              float* out, int64_t cols) {
+  const int64_t C = K / kChunk;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t c = 0; c < C; ++c) {
+    int32_t run[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t kb = 8 * c; kb < 8 * c + 8; ++kb)
+      for (int r = 0; r < 8; ++r)
+        for (int j = 0; j < 4; ++j) run[r] += w[kb * 32 + r * 4 + j] * xq[kb * 4 + j];
+    for (int r = 0; r < 8; ++r) acc[r] += static_cast<float>(run[r]) * xd[c];
+  }
+  for (int64_t r = 0; r < cols; ++r) out[r] = acc[r] * scales[r];
+}
+
+}  // namespace
+
+std::vector<at::Tensor> int8_pack_rows8(const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "qweight must be contiguous int8 [N, K]");
+  const int64_t N = qweight.size(0), K = qweight.size(1), N8 = (N + 7) / 8;
+  TORCH_CHECK(K % kChunk == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales must be contiguous float32 [N]");
+  auto packed = at::zeros({N8, K / 4, 8, 4}, qweight.options());
+  auto s8 = at::zeros({N8 * 8}, scales.options());
+  const int8_t* qp = qweight.data_ptr<int8_t>();
+  int8_t* pp = packed.data_ptr<int8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t nb = n / 8, r = n % 8;
+    for (int64_t kb = 0; kb < K / 4; ++kb)
+      std::memcpy(pp + ((nb * (K / 4) + kb) * 8 + r) * 4, qp + n * K + kb * 4, 4);
+  }
+  std::memcpy(s8.data_ptr<float>(), scales.data_ptr<float>(), N * sizeof(float));
+  return {packed, s8};
+}
+
+at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N8 = (N + 7) / 8, C = K / kChunk;
+  TORCH_CHECK(K % kChunk == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == N8 && packed.size(1) * 4 == K && packed.size(2) == 8 && packed.size(3) == 4,
+              "packed must be the int8 [ceil(N / 8), K / 4, 8, 4] of int8_pack_rows8");
+  TORCH_CHECK(scales8.scalar_type() == at::kFloat && scales8.is_contiguous() && scales8.numel() == N8 * 8,
+              "scales8 must be the float32 [ceil(N / 8) * 8] of int8_pack_rows8");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto xd = at::empty({M, C}, x.options());
+  auto xs = at::empty({M, 1}, x.options());  // group sums: unused here (no min term)
+  quantize_x_q8_natural(x.data_ptr<float>(), M, K, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                        xs.data_ptr<float>());
+  std::vector<int32_t> xsum(M * C);  // integer sum of each int8 run of x
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  for (int64_t i = 0; i < M * C; ++i) {
+    int32_t s = 0;
+    for (int64_t j = 0; j < kChunk; ++j) s += xqp[i * kChunk + j];
+    xsum[i] = s;
+  }
+  const float* xdp = xd.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scales8.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int8_t* w = wp + nb * (K / 4) * 32;
+      const float* s8 = sp + nb * 8;
+      const int64_t cols = std::min<int64_t>(8, N - nb * 8);
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        const int8_t* xr = xqp + m * K;
+        const float* dr = xdp + m * C;
+        float* out = yp + m * N + nb * 8;
+#if defined(__AVX2__) && defined(__FMA__)
+        const int32_t* sr = xsum.data() + m * C;
+        switch (rows) {
+          case 4: q8_gemm_tile_int8<4>(xr, dr, sr, K, w, s8, out, N, cols); break;
+          case 3: q8_gemm_tile_int8<3>(xr, dr, sr, K, w, s8, out, N, cols); break;
+          case 2: q8_gemm_tile_int8<2>(xr, dr, sr, K, w, s8, out, N, cols); break;
+          default: q8_gemm_tile_int8<1>(xr, dr, sr, K, w, s8, out, N, cols); break;
+        }
+#else
+        for (int64_t r = 0; r < rows; ++r) q8_gemm_row_int8_generic(xr + r * K, dr + r * C, K, w, s8, out + r * N, cols);
+#endif
+      }
+    }
+  });
+  return y;
+}
