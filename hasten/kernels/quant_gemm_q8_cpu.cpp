@@ -1,6 +1,10 @@
 // int8-activation GEMMs for 2+ rows of x (batched decode, prefill): int4 weights (GGUF Q4_0 / Q4_1,
-// hasten-q8 layers) and int8 weights (GGUF Q8_0 rows), x quantized per 32 k to int8 as in
-// quant_linear_q8_cpu.cpp but in natural k order.
+// hasten-q8 layers) and int8 weights (GGUF Q8_0 rows), x quantized per 32 k to int8 by
+// quantize_x_q8 (int4_common.h), as for int4_linear_q8.
+//
+// quantize_x_q8 stores each 32-run of x in "run order": position p < 16 holds k = 2p, position
+// 16 + p holds k = 2p + 1 (the order of a run of int4 codes: low nibbles, then high ones). The
+// packed weights below use the same positions, so x and w meet position by position.
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -22,37 +26,14 @@ namespace {
 
 // ---- int4 weights -------------------------------------------------------------------------------
 // The weight is repacked once (int4_pack_rows8) so that 8 weight rows sit side by side: byte
-// (nb, kb, r, j) of `packed` [N8, K / 8, 8, 4] holds code[8 nb + r][8 kb + j] in its low nibble and
-// code[8 nb + r][8 kb + 4 + j] in its high one; scales and mins become float32 [N8, G, 8]. One 32-byte
-// load is then 4 consecutive k of 8 weight rows (one row per 32-bit lane), and a u8 x s8
-// multiply-add against 4 bytes of x broadcast to every lane yields 8 output columns at once. x is
-// quantized per 32 k to int8 (as int4_linear_q8, in natural k order); each 32-run's integer sums are
-// scaled once (weight scale x activation scale), the min term uses the exact float group sums.
+// (nb, kb, r, j) of `packed` [N8, K / 8, 8, 4] holds row 8 nb + r's code at position 8 kb + j in its
+// low nibble and at position 8 kb + 4 + j in its high one; scales and mins become float32
+// [N8, G, 8]. One 32-byte load is then 4 consecutive positions of 8 weight rows (one row per 32-bit
+// lane), and a u8 x s8 multiply-add against 4 bytes of x broadcast to every lane yields 8 output
+// columns at once. Each 32-run's integer sums are scaled once (weight scale x activation scale),
+// the min term uses the exact float group sums.
 // With AVX-VNNI / AVX512-VNNI one instruction does the u8 x s8 multiply-add into int32; plain
 // AVX2 uses maddubs into int16 (a run's 8 partial sums stay below 8 * 2 * 15 * 127 < 2^15).
-
-void quantize_x_q8_natural(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
-  const int64_t C = K / kChunk, G = K / group;
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xr = x + m * K;
-      for (int64_t c = 0; c < C; ++c) {
-        const float* xc = xr + c * kChunk;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
-        const float d = amax / 127.0f;
-        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        for (int64_t i = 0; i < kChunk; ++i) xq[m * K + c * kChunk + i] = static_cast<int8_t>(std::nearbyint(xc[i] * inv));
-        xd[m * C + c] = d;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < group; ++i) sum += xr[g * group + i];
-        xs[m * G + g] = sum;
-      }
-    }
-  });
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -162,9 +143,10 @@ std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tenso
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* s8p = s8.data_ptr<float>();
   float* m8p = m8.data_ptr<float>();
-  auto code = [&](int64_t n, int64_t k) -> uint8_t {
-    const uint8_t b = cp[n * (K / 2) + k / 2];
-    return k % 2 ? b >> 4 : b & 0x0F;
+  auto code = [&](int64_t n, int64_t pos) -> uint8_t {  // the code at run-order position pos
+    const int64_t p = pos % kChunk;
+    const uint8_t b = cp[n * (K / 2) + (pos - p) / 2 + p % 16];
+    return p < 16 ? b & 0x0F : b >> 4;
   };
   for (int64_t n = 0; n < N; ++n) {
     const int64_t nb = n / 8, r = n % 8;
@@ -198,7 +180,7 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto xd = at::empty({M, C}, x.options());
   auto xs = at::empty({M, G}, x.options());
-  quantize_x_q8_natural(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                         xs.data_ptr<float>());
   const int8_t* xqp = xq.data_ptr<int8_t>();
   const float* xdp = xd.data_ptr<float>();
@@ -240,8 +222,8 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
 
 
 // ---- int8 weights (per-row scale) ---------------------------------------------------------------
-// Packed as int4 above but one byte per value: byte (nb, kb, r, j) of [N8, K / 4, 8, 4] is
-// qweight[8 nb + r][4 kb + j]. y[m][n] = scale[n] * sum_runs d[m][run] * (integer run sum). VNNI
+// Packed as int4 above but one byte per value: byte (nb, kb, r, j) of [N8, K / 4, 8, 4] is row
+// 8 nb + r's value at run-order position 4 kb + j. y[m][n] = scale[n] * sum_runs d[m][run] * (integer run sum). VNNI
 // multiplies unsigned by signed bytes, so the weight goes in as w + 128 and 128 * (x's run sum) comes
 // off again; plain AVX2 multiplies |w| by x carrying w's sign (pairs below 2 * 128 * 127 < 2^15).
 
@@ -322,8 +304,10 @@ std::vector<at::Tensor> int8_pack_rows8(const at::Tensor& qweight, const at::Ten
   int8_t* pp = packed.data_ptr<int8_t>();
   for (int64_t n = 0; n < N; ++n) {
     const int64_t nb = n / 8, r = n % 8;
-    for (int64_t kb = 0; kb < K / 4; ++kb)
-      std::memcpy(pp + ((nb * (K / 4) + kb) * 8 + r) * 4, qp + n * K + kb * 4, 4);
+    for (int64_t pos = 0; pos < K; ++pos) {
+      const int64_t p = pos % kChunk, k = pos - p + (p < 16 ? 2 * p : 2 * (p - 16) + 1);
+      pp[((nb * (K / 4) + pos / 4) * 8 + r) * 4 + pos % 4] = qp[n * K + k];
+    }
   }
   std::memcpy(s8.data_ptr<float>(), scales.data_ptr<float>(), N * sizeof(float));
   return {packed, s8};
@@ -343,7 +327,7 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto xd = at::empty({M, C}, x.options());
   auto xs = at::empty({M, 1}, x.options());  // group sums: unused here (no min term)
-  quantize_x_q8_natural(x.data_ptr<float>(), M, K, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+  quantize_x_q8(x.data_ptr<float>(), M, K, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
                         xs.data_ptr<float>());
   std::vector<int32_t> xsum(M * C);  // integer sum of each int8 run of x
   const int8_t* xqp = xq.data_ptr<int8_t>();

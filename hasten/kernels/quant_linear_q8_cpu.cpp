@@ -21,58 +21,6 @@ namespace {
 using hasten_tiles::hsum;
 #endif
 
-// ---- int8-activation variant (as llama.cpp's Q4 x Q8 dot products) --------------------------
-// x is quantized per 32 k to int8 with its own scale d (round to nearest, |q| <= 127), in the same
-// even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
-// exact float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
-// instructions per weight than the float path.
-void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
-  const int64_t C = K / kChunk;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    for (int64_t c = 0; c < C; ++c) {
-      const float* xc = xr + c * kChunk;
-      int8_t* q = xq + m * K + c * kChunk;
-#if defined(__AVX2__)
-      // the same arithmetic 8 lanes at a time (vcvtps2dq rounds to nearest even, as nearbyint)
-      __m256 v[4], a = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(xc + 8 * j);
-        a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-      const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      alignas(32) int32_t r[kChunk];
-      for (int j = 0; j < 4; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * j),
-                           _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv))));
-      for (int64_t i = 0; i < kChunk / 2; ++i) {
-        q[i] = static_cast<int8_t>(r[2 * i]);
-        q[kChunk / 2 + i] = static_cast<int8_t>(r[2 * i + 1]);
-      }
-#else
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
-      const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      for (int64_t i = 0; i < kChunk / 2; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(xc[2 * i] * inv));
-        q[kChunk / 2 + i] = static_cast<int8_t>(std::nearbyint(xc[2 * i + 1] * inv));
-      }
-#endif
-      xd[m * C + c] = d;
-    }
-    for (int64_t g = 0; g < K / group; ++g) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < group; ++i) s += xr[g * group + i];
-      xs[m * (K / group) + g] = s;
-    }
-  }
-}
-
 float dot_row_q8_generic(const int8_t* xq, const float* xd, const float* xs, const uint8_t* codes,
                          const at::Half* scales, const at::Half* mins, int64_t K, int64_t group) {
   float total = 0.0f;
