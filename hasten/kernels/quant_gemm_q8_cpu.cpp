@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "float_tiles.h"
@@ -35,6 +36,24 @@ namespace {
 // With AVX-VNNI / AVX512-VNNI one instruction does the u8 x s8 multiply-add into int32; plain
 // AVX2 uses maddubs into int16 (a run's 8 partial sums stay below 8 * 2 * 15 * 127 < 2^15).
 
+// Calls tile(std::integral_constant<int, R>{}, nb, m) for every block nb of 8 weight rows and every
+// tile of R <= 4 rows of x starting at m; blocks split across threads (8 at least per task), each
+// block's weights staying in L1 while every tile of x passes over them.
+template <typename Tile>
+inline void over_blocks8(int64_t N8, int64_t M, const Tile& tile) {
+  at::parallel_for(0, N8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t m = 0; m < M; m += 4) {
+        switch (std::min<int64_t>(4, M - m)) {
+          case 4: tile(std::integral_constant<int, 4>{}, nb, m); break;
+          case 3: tile(std::integral_constant<int, 3>{}, nb, m); break;
+          case 2: tile(std::integral_constant<int, 2>{}, nb, m); break;
+          default: tile(std::integral_constant<int, 1>{}, nb, m); break;
+        }
+      }
+  });
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HASTEN_Q8_VNNI 1
@@ -48,6 +67,17 @@ inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return _mm256_set1_epi32(v);
+}
+
+// the first `cols` (<= 8) lanes of v to out
+inline void store_cols(float* out, __m256 v, int64_t cols) {
+  if (cols == 8) {
+    _mm256_storeu_ps(out, v);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  std::copy(tmp, tmp + cols, out);
 }
 
 // MR rows of x (starting at xq, xd, xs) against the 8 weight rows of one packed block.
@@ -89,15 +119,7 @@ inline void q8_gemm_tile(const int8_t* xq, const float* xd, const float* xs, int
     const __m256 mv = _mm256_loadu_ps(m8 + g * 8);
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * G + g]), acc[r]);
   }
-  for (int r = 0; r < MR; ++r) {
-    if (cols == 8) {
-      _mm256_storeu_ps(out + r * ldo, acc[r]);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, acc[r]);
-      std::copy(tmp, tmp + cols, out + r * ldo);
-    }
-  }
+  for (int r = 0; r < MR; ++r) store_cols(out + r * ldo, acc[r], cols);
 }
 #endif
 
@@ -180,8 +202,7 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
   auto xd = at::empty({M, C}, x.options());
   auto xs = at::empty({M, G}, x.options());
-  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                        xs.data_ptr<float>());
+  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
   const int8_t* xqp = xq.data_ptr<int8_t>();
   const float* xdp = xd.data_ptr<float>();
   const float* xsp = xs.data_ptr<float>();
@@ -189,37 +210,25 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const float* sp = scales8.data_ptr<float>();
   const float* mp = mins8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // blocks of 8 weight rows across threads (8 blocks at least per task); each block's codes stay in
-  // L1 while every tile of x rows passes over them
-  at::parallel_for(0, N8, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const uint8_t* w = wp + nb * (K / 8) * 32;
-      const float* s8 = sp + nb * G * 8;
-      const float* m8 = mp + nb * G * 8;
-      const int64_t cols = std::min<int64_t>(8, N - nb * 8);
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
-        const int8_t* xr = xqp + m * K;
-        const float* dr = xdp + m * C;
-        const float* sr = xsp + m * G;
-        float* out = yp + m * N + nb * 8;
+  over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    const uint8_t* w = wp + nb * (K / 8) * 32;
+    const float* s8 = sp + nb * G * 8;
+    const float* m8 = mp + nb * G * 8;
+    const int64_t cols = std::min<int64_t>(8, N - nb * 8);
+    const int8_t* xr = xqp + m * K;
+    const float* dr = xdp + m * C;
+    const float* sr = xsp + m * G;
+    float* out = yp + m * N + nb * 8;
 #if defined(__AVX2__) && defined(__FMA__)
-        switch (rows) {
-          case 4: q8_gemm_tile<4>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
-          case 3: q8_gemm_tile<3>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
-          case 2: q8_gemm_tile<2>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
-          default: q8_gemm_tile<1>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols); break;
-        }
+    q8_gemm_tile<R>(xr, dr, sr, K, G, per_group, w, s8, m8, out, N, cols);
 #else
-        for (int64_t r = 0; r < rows; ++r)
-          q8_gemm_row_generic(xr + r * K, dr + r * C, sr + r * G, K, G, per_group, w, s8, m8, out + r * N, cols);
+    for (int r = 0; r < R; ++r)
+      q8_gemm_row_generic(xr + r * K, dr + r * C, sr + r * G, K, G, per_group, w, s8, m8, out + r * N, cols);
 #endif
-      }
-    }
   });
   return y;
 }
-
 
 // ---- int8 weights (per-row scale) ---------------------------------------------------------------
 // Packed as int4 above but one byte per value: byte (nb, kb, r, j) of [N8, K / 4, 8, 4] is row
@@ -262,16 +271,7 @@ inline void q8_gemm_tile_int8(const int8_t* xq, const float* xd, const int32_t* 
     }
   }
   const __m256 sv = _mm256_loadu_ps(scales);
-  for (int r = 0; r < MR; ++r) {
-    const __m256 yv = _mm256_mul_ps(acc[r], sv);
-    if (cols == 8) {
-      _mm256_storeu_ps(out + r * ldo, yv);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, yv);
-      std::copy(tmp, tmp + cols, out + r * ldo);
-    }
-  }
+  for (int r = 0; r < MR; ++r) store_cols(out + r * ldo, _mm256_mul_ps(acc[r], sv), cols);
 }
 #endif
 
@@ -340,29 +340,19 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scales8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N8, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const int8_t* w = wp + nb * (K / 4) * 32;
-      const float* s8 = sp + nb * 8;
-      const int64_t cols = std::min<int64_t>(8, N - nb * 8);
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
-        const int8_t* xr = xqp + m * K;
-        const float* dr = xdp + m * C;
-        float* out = yp + m * N + nb * 8;
+  over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    const int8_t* w = wp + nb * (K / 4) * 32;
+    const float* s8 = sp + nb * 8;
+    const int64_t cols = std::min<int64_t>(8, N - nb * 8);
+    const int8_t* xr = xqp + m * K;
+    const float* dr = xdp + m * C;
+    float* out = yp + m * N + nb * 8;
 #if defined(__AVX2__) && defined(__FMA__)
-        const int32_t* sr = xsum.data() + m * C;
-        switch (rows) {
-          case 4: q8_gemm_tile_int8<4>(xr, dr, sr, K, w, s8, out, N, cols); break;
-          case 3: q8_gemm_tile_int8<3>(xr, dr, sr, K, w, s8, out, N, cols); break;
-          case 2: q8_gemm_tile_int8<2>(xr, dr, sr, K, w, s8, out, N, cols); break;
-          default: q8_gemm_tile_int8<1>(xr, dr, sr, K, w, s8, out, N, cols); break;
-        }
+    q8_gemm_tile_int8<R>(xr, dr, xsum.data() + m * C, K, w, s8, out, N, cols);
 #else
-        for (int64_t r = 0; r < rows; ++r) q8_gemm_row_int8_generic(xr + r * K, dr + r * C, K, w, s8, out + r * N, cols);
+    for (int r = 0; r < R; ++r) q8_gemm_row_int8_generic(xr + r * K, dr + r * C, K, w, s8, out + r * N, cols);
 #endif
-      }
-    }
   });
   return y;
 }
