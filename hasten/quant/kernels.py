@@ -196,11 +196,12 @@ class Int8Linear(QuantLinear):
         self.qweight = qw.qweight.contiguous()
         self.rows8: list[torch.Tensor] | None = None  # int8_linear_q8_gemm's layout (hasten-q8)
         if ours:
-            from hasten.kernels.quant_linear import int8_linear, int8_pack_rows8
+            from hasten.kernels.quant_linear import int8_linear, int8_linear_q8_gemm, int8_pack_rows8
 
             self._op = int8_linear
             self.scales = qw.scales.float().contiguous()
             if self.kernel == "hasten-q8":
+                self._op = int8_linear_q8_gemm
                 self.rows8 = int8_pack_rows8(self.qweight, self.scales)
         else:
             self.scales = qw.scales.to(KERNEL_DTYPE).contiguous()
@@ -208,9 +209,7 @@ class Int8Linear(QuantLinear):
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows8 is not None:
-            from hasten.kernels.quant_linear import int8_linear_q8_gemm
-
-            return self._float32_call(int8_linear_q8_gemm, x, *self.rows8, self.n)
+            return self._float32_call(self._op, x, *self.rows8, self.n)
         if self.kernel != "hasten":
             return super()._run_kernel(x)
         return self._float32_call(self._op, x, self.qweight, self.scales)
@@ -276,11 +275,18 @@ class Int4HastenLinear(QuantLinear):
         n, k = qw.shape
         # max_kernel_rows does not apply: the GEMM path is never slower than dequantize + matmul
         super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62)
-        from hasten.kernels.quant_linear import int4_linear, int4_linear_gemm, int4_linear_q8, int4_pack_rows8
+        from hasten.kernels.quant_linear import (
+            int4_linear,
+            int4_linear_gemm,
+            int4_linear_q8,
+            int4_linear_q8_gemm,
+            int4_pack_rows8,
+        )
 
         self.int8_activations = int8_activations
         self._op = int4_linear_q8 if int8_activations else int4_linear
         self._gemm = int4_linear_gemm
+        self._gemm8 = int4_linear_q8_gemm
         self.group_size = qw.group_size
         self.codes = qw.qweight.contiguous()
         self.scales = qw.scales.to(torch.float16).contiguous()
@@ -291,9 +297,7 @@ class Int4HastenLinear(QuantLinear):
 
     def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.gemm_min_rows and self.rows8 is not None:
-            from hasten.kernels.quant_linear import int4_linear_q8_gemm
-
-            return self._float32_call(int4_linear_q8_gemm, x, *self.rows8, self.group_size, self.n)
+            return self._float32_call(self._gemm8, x, *self.rows8, self.group_size, self.n)
         op = self._op if x.shape[0] < self.gemm_min_rows else self._gemm
         return self._float32_call(op, x, self.codes, self.scales, self.mins, self.group_size)
 
