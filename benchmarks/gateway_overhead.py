@@ -324,7 +324,9 @@ def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, LoadResult]
           "users' jobs), during the gateway cells")
     print(f"(all times in ms) gateway self-measured means over the whole run: request->upstream sent "
           f"{metric_mean(metrics, 'added_latency_seconds'):.3f} ms, chunk read->written "
-          f"{metric_mean(metrics, 'chunk_forward_seconds'):.3f} ms")
+          f"{metric_mean(metrics, 'chunk_forward_seconds'):.3f} ms, upstream request sent->response head read "
+          f"(the backend's part) {metric_mean(metrics, 'upstream_first_byte_seconds'):.3f} ms, request "
+          f"received->first body byte written {metric_mean(metrics, 'ttft_seconds'):.3f} ms")
 
 
 def real_replicas(args: argparse.Namespace) -> None:

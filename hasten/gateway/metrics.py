@@ -130,6 +130,9 @@ class GatewayMetrics:
         self.chunk_delay = Histogram("chunk_forward_seconds",
                                      "Gateway time from a chunk read from upstream to written to the client",
                                      ("model",), FAST_BUCKETS)
+        self.upstream_first_byte = Histogram("upstream_first_byte_seconds",
+                                             "Backend time from the upstream request sent to its response head read",
+                                             ("model", "backend"))
         self.ttft = Histogram("ttft_seconds", "Time to first byte of the response body as sent to the client",
                               ("model",))
         self.e2e = Histogram("e2e_seconds", "Time from request received to last byte sent", ("model",))
@@ -146,6 +149,6 @@ class GatewayMetrics:
         lines: list[str] = []
         for metric in (self.requests, self.backend_requests, self.backend_errors, self.retries,
                        self.in_flight, self.backend_up, self.breaker_opened, self.added_latency,
-                       self.chunk_delay, self.ttft, self.e2e, *self.extra):
+                       self.chunk_delay, self.upstream_first_byte, self.ttft, self.e2e, *self.extra):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -72,6 +72,7 @@ class Relay:
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._arrived: float | None = None
+        self._sent_at = 0.0  # when the upstream request was written (send)
         self._out_t: float | None = None
         self._sent_first = False
         self._paused = False
@@ -85,6 +86,7 @@ class Relay:
 
     def send(self, raw: bytes, first_byte_s: float) -> None:
         self._timer = self._loop.call_later(first_byte_s, self._first_byte_timeout)
+        self._sent_at = time.perf_counter()
         self._conn.start(raw, self, expect_body=self._ctx.method != "HEAD")
 
     def _first_byte_timeout(self) -> None:
@@ -139,6 +141,8 @@ class Relay:
     # -- upstream sink callbacks -------------------------------------------------------
 
     def on_head(self, status: int, headers: dict[str, str]) -> None:
+        self._proxy.metrics.upstream_first_byte.observe(time.perf_counter() - self._sent_at, self._pool.name,
+                                                        self._backend.url)
         self.status = status
         self.headers = headers
         self._is_sse = headers.get("content-type", "").startswith("text/event-stream")

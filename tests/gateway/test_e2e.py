@@ -162,6 +162,7 @@ def test_metrics(env: dict[str, Any]) -> None:
     assert metric(text, "added_latency_seconds_count", model="smollm2") >= 2
     assert metric(text, "chunk_forward_seconds_count", model="smollm2") >= 4
     assert metric(text, "ttft_seconds_count", model="smollm2") >= 1
+    assert metric(text, "upstream_first_byte_seconds_count", model="smollm2") >= 2
     assert metric(text, "backend_up", model="smollm2") == 3
     assert metric(text, "backend_in_flight", model="smollm2") == 0
     # sanity bound only: gateway-internal pre-upstream time is far below a second
