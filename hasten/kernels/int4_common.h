@@ -105,6 +105,19 @@ inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, i
   }
 }
 
+// x [M, K] (contiguous float32) rounded by quantize_x_q8 into tensors that live for one call:
+// q int8 [M, K] (run order), d float32 [M, K / 32], sums float32 [M, K / group].
+struct QuantizedX {
+  at::Tensor q, d, sums;
+  QuantizedX(const at::Tensor& x, int64_t group)
+      : q(at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar))),
+        d(at::empty({x.size(0), x.size(1) / kChunk}, x.options())),
+        sums(at::empty({x.size(0), x.size(1) / group}, x.options())) {
+    quantize_x_q8(x.data_ptr<float>(), x.size(0), x.size(1), group, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  sums.data_ptr<float>());
+  }
+};
+
 // Calls tile(n, m, rows) for every weight row n and every tile of up to 4 rows of x starting at m,
 // weight rows split across threads (64 at least per task, so the parallel region pays off).
 template <typename Tile>

@@ -199,13 +199,10 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
                 "scales8 and mins8 must be the float32 [ceil(N / 8), K / group, 8] of int4_pack_rows8");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto xd = at::empty({M, C}, x.options());
-  auto xs = at::empty({M, G}, x.options());
-  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
+  const QuantizedX xq(x, group);
+  const int8_t* xqp = xq.q.data_ptr<int8_t>();
+  const float* xdp = xq.d.data_ptr<float>();
+  const float* xsp = xq.sums.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales8.data_ptr<float>();
   const float* mp = mins8.data_ptr<float>();
@@ -324,19 +321,15 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
               "scales8 must be the float32 [ceil(N / 8) * 8] of int8_pack_rows8");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto xd = at::empty({M, C}, x.options());
-  auto xs = at::empty({M, 1}, x.options());  // group sums: unused here (no min term)
-  quantize_x_q8(x.data_ptr<float>(), M, K, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                        xs.data_ptr<float>());
+  const QuantizedX xq(x, K);  // one group: the sums are not needed (no min term)
   std::vector<int32_t> xsum(M * C);  // integer sum of each int8 run of x
-  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const int8_t* xqp = xq.q.data_ptr<int8_t>();
   for (int64_t i = 0; i < M * C; ++i) {
     int32_t s = 0;
     for (int64_t j = 0; j < kChunk; ++j) s += xqp[i * kChunk + j];
     xsum[i] = s;
   }
-  const float* xdp = xd.data_ptr<float>();
+  const float* xdp = xq.d.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scales8.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -138,13 +138,10 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), G = K / group, C = K / kChunk;
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto xd = at::empty({M, C}, x.options());
-  auto xs = at::empty({M, G}, x.options());
-  quantize_x_q8(x.data_ptr<float>(), M, K, group, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  const float* xsp = xs.data_ptr<float>();
+  const QuantizedX xq(x, group);
+  const int8_t* xqp = xq.q.data_ptr<int8_t>();
+  const float* xdp = xq.d.data_ptr<float>();
+  const float* xsp = xq.sums.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* mp = mins.data_ptr<at::Half>();
