@@ -1,12 +1,13 @@
 """Time of one engine step of batched decode on the default model's GGUF, per configuration.
 
-    python benchmarks/decode_step.py [--batch 16] [--context 300] [--steps 10]
+    python benchmarks/decode_step.py [--batch 16] [--context 300] [--steps 10] [--configs 2,3,2,3]
 
 Builds the engine for each configuration (float32 weights; GGUF blocks with a float32 / float16
 KV cache), prefills `--batch` prompts of `--context` tokens, then times `--steps` decode steps
 (greedy, no HTTP) and prints the mean step time and the time spent in each C++ kernel (inside the
 C++ layer loop: per part of the layer, from its own timers), with the ratio to the first
-configuration. The machine is noisy: read the ratios.
+configuration. The machine is noisy: read the ratios (and repeat configurations, interleaved, with
+`--configs`: indices into the list below).
 """
 
 from __future__ import annotations
