@@ -19,82 +19,63 @@ def load_error() -> str | None:
     return _ext.error
 
 
-def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
-    """y [M, N] = x [M, K] W^T, W[n, k] = code * scale + min (codes uint8 [N, K // 2], float16 [N, K // group])."""
+def _module() -> ModuleType:
+    """The compiled module; RuntimeError (with the build error) when it cannot be built here."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int4_linear(x, codes, scales, mins, group)
+    return mod
+
+
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
+    """y [M, N] = x [M, K] W^T, W[n, k] = code * scale + min (codes uint8 [N, K // 2], float16 [N, K // group])."""
+    return _module().int4_linear(x, codes, scales, mins, group)
 
 
 def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
     """As int4_linear with x rounded to int8 per 32 values (llama.cpp's Q4 x Q8 scheme): ~3x fewer
     instructions per weight, activation error about 1/254 of each 32-run's largest value."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int4_linear_q8(x, codes, scales, mins, group)
+    return _module().int4_linear_q8(x, codes, scales, mins, group)
 
 
 def int4_pack_rows8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> list[torch.Tensor]:
     """The weight in int4_linear_q8_gemm's layout: (packed uint8 [ceil(N/8), K/8, 8, 4], scales and
-    mins float32 [ceil(N/8), K/group, 8]); 8 weight rows side by side (quant_linear_q8_cpu.cpp)."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int4_pack_rows8(codes, scales, mins, group)
+    mins float32 [ceil(N/8), K/group, 8]); 8 weight rows side by side (quant_gemm_q8_cpu.cpp)."""
+    return _module().int4_pack_rows8(codes, scales, mins, group)
 
 
 def int4_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Tensor, mins8: torch.Tensor,
                         group: int, n: int) -> torch.Tensor:
     """int4_linear_q8's arithmetic for many rows of x (x rounded to int8 per 32 values), as integer
     multiply-adds over 8 weight rows at once (VNNI where the CPU has it); the weight from int4_pack_rows8."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int4_linear_q8_gemm(x, packed, scales8, mins8, group, n)
+    return _module().int4_linear_q8_gemm(x, packed, scales8, mins8, group, n)
 
 
 def int8_pack_rows8(qweight: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
     """The weight in int8_linear_q8_gemm's layout: (packed int8 [ceil(N/8), K/4, 8, 4], scales float32
     [ceil(N/8) * 8]); 8 weight rows side by side (quant_gemm_q8_cpu.cpp)."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int8_pack_rows8(qweight, scales)
+    return _module().int8_pack_rows8(qweight, scales)
 
 
 def int8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Tensor, n: int) -> torch.Tensor:
     """y = x W^T for int8 weights with x rounded to int8 per 32 values (llama.cpp's Q8_0 scheme),
     as integer multiply-adds over 8 weight rows at once; the weight from int8_pack_rows8."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int8_linear_q8_gemm(x, packed, scales8, n)
+    return _module().int8_linear_q8_gemm(x, packed, scales8, n)
 
 
 def int4_linear_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
     """As int4_linear, computed by dequantizing 64 weight rows at a time to float32 (in cache) and
     running the float32 GEMM on each block: faster once x has more than a few rows."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int4_linear_gemm(x, codes, scales, mins, group)
+    return _module().int4_linear_gemm(x, codes, scales, mins, group)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] W^T, W[n, k] = qweight[n, k] * scales[n] (int8 [N, K], float32 [N]); exact
     against the dequantized weight (float32 x, float32 arithmetic)."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.int8_linear(x, qweight, scales)
+    return _module().int8_linear(x, qweight, scales)
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] W^T for float32 x and W [N, K] (contiguous), through the same register
     tiles as the quantized GEMMs, run on W's rows in place (the library GEMM for very tall x)."""
-    mod = _ext.module or load()
-    if mod is None:
-        raise RuntimeError(f"C++ quantized-linear kernels unavailable: {_ext.error}")
-    return mod.float_linear(x, weight)
+    return _module().float_linear(x, weight)
