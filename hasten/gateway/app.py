@@ -43,6 +43,7 @@ class ClientConnection(asyncio.Protocol):
         self._relay: Relay | None = None
         self._fast: Relay | None = None
         self._head_pending = b""
+        self._terminated = False  # the current response's last chunk was written
         self._paused = False
         self._drain: asyncio.Future[None] | None = None
         self._peer: str | None = None
@@ -231,14 +232,15 @@ class ClientConnection(asyncio.Protocol):
         assert isinstance(stream, Relay)
         self._head_pending = response_head(resp.status, self._stream_headers(resp, keep))
         self._relay = stream
-        stream.pipe(self).add_done_callback(lambda _: self._fast_stream_end(keep))
+        stream.pipe_to(self, lambda: self._fast_stream_end(keep))
 
     def _fast_stream_end(self, keep: bool) -> None:
         self._relay = None
         if self._closed or self.transport is None:
             return
-        self.transport.write(self._head_pending + LAST_CHUNK)
-        self._head_pending = b""
+        if not self._terminated:
+            self.transport.write(self._head_pending + LAST_CHUNK)
+            self._head_pending = b""
         self._done(keep)
 
     # -- responses -----------------------------------------------------------------------
@@ -301,15 +303,19 @@ class ClientConnection(asyncio.Protocol):
         finally:
             self._relay = None
             await stream.aclose()  # type: ignore[attr-defined]
-        if not self._closed and self.transport is not None:
+        if not self._closed and self.transport is not None and not self._terminated:
             self.transport.write(self._head_pending + LAST_CHUNK)
             self._head_pending = b""
 
-    def write(self, data: bytes) -> None:
-        """Client sink for piped streams: frame one chunk and hand it to the socket now."""
-        if not data or self._closed or self.transport is None:
+    def write(self, data: bytes, end: bool = False) -> None:
+        """Client sink for piped streams: frame one chunk (and with ``end`` the terminator) and hand
+        it to the socket now."""
+        if (not data and not end) or self._closed or self.transport is None:
             return
-        frame = b"%x\r\n%s\r\n" % (len(data), data)
+        frame = b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+        if end:
+            frame += LAST_CHUNK
+            self._terminated = True
         if self._head_pending:
             frame = self._head_pending + frame
             self._head_pending = b""
@@ -317,6 +323,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _done(self, keep: bool) -> None:
         self._busy = False
+        self._terminated = False
         self._ctx = None
         if self.transport is None or self._closed:
             return

@@ -6,11 +6,12 @@ HTTP requests into :class:`RequestContext` objects and call :meth:`Gateway.handl
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from hasten.gateway.config import GatewayConfig
 from hasten.gateway.health import HealthChecker
@@ -43,6 +44,8 @@ class Gateway:
         self.pools: dict[str, Pool] = {
             p.name: Pool(p, cfg.health.failure_threshold, cfg.health.cooldown_s) for p in cfg.models
         }
+        for name, pool in self.pools.items():
+            pool.series = self.metrics.pool_series(name)
         self._tenants = {t.key: t for t in cfg.tenants}
         self.proxy = Proxy(cfg, self.metrics, self.tracer)
         all_backends = [b for pool in self.pools.values() for b in pool.backends]
@@ -107,7 +110,7 @@ class Gateway:
 
     def parse(self, ctx: RequestContext) -> None:
         try:
-            payload = json.loads(ctx.body) if ctx.body else None
+            payload = orjson.loads(ctx.body) if ctx.body else None  # strict RFC 8259 JSON
         except (ValueError, UnicodeDecodeError) as exc:
             raise GatewayError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
                                "invalid_json") from None

@@ -15,35 +15,36 @@ class ProtocolError(ValueError):
     """Malformed HTTP/1.1 input."""
 
 
-def parse_headers(lines: list[bytes]) -> dict[str, str]:
-    """Header lines into a dict with lower-case names; repeated headers are joined with ', '."""
+def parse_headers(lines: list[str]) -> dict[str, str]:
+    """Header lines (latin-1 text) into a dict with lower-case names; repeats are joined with ', '."""
     headers: dict[str, str] = {}
     for line in lines:
         if not line:
             continue
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
+        name, sep, value = line.partition(":")
+        if not sep or not name or name[0] in " \t" or name[-1] in " \t":
             raise ProtocolError(f"malformed header line {line[:80]!r}")
-        key = name.decode("latin-1").lower()
-        val = value.strip().decode("latin-1")
-        headers[key] = f"{headers[key]}, {val}" if key in headers else val
+        key = name.lower()
+        if key in headers:
+            headers[key] = f"{headers[key]}, {value.strip()}"
+        else:
+            headers[key] = value.strip()
     return headers
 
 
 def parse_request_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
     """``(method, target, version, headers)`` from the bytes before the blank line."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+    lines = head.decode("latin-1").split("\r\n")  # latin-1 maps every byte: decoding cannot fail
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise ProtocolError(f"malformed request line {lines[0][:80]!r}")
-    method, target, version = (p.decode("latin-1") for p in parts)
-    return method, target, version, parse_headers(lines[1:])
+    return parts[0], parts[1], parts[2], parse_headers(lines[1:])
 
 
 def parse_response_head(head: bytes) -> tuple[int, dict[str, str]]:
-    lines = head.split(b"\r\n")
+    lines = head.decode("latin-1").split("\r\n")
     status_line = lines[0]
-    if not status_line.startswith(b"HTTP/1.") or len(status_line) < 12:
+    if not status_line.startswith("HTTP/1.") or len(status_line) < 12:
         raise ProtocolError(f"malformed status line {status_line[:80]!r}")
     try:
         status = int(status_line[9:12])
@@ -78,7 +79,8 @@ class ChunkedDecoder:
 
     def feed(self, data: bytes) -> list[bytes]:
         if self.state == _SIZE and not self.pending:
-            # fast path: exactly one complete chunk, the common case for SSE token streams
+            # fast paths: exactly one complete chunk (the common case for SSE token streams), or one
+            # complete chunk and the terminating zero-size chunk without trailers (the usual end)
             eol = data.find(b"\r\n")
             if 0 < eol <= 8:
                 try:
@@ -87,6 +89,9 @@ class ChunkedDecoder:
                     size = 0
                 end = eol + 2 + size
                 if size and len(data) == end + 2 and data.endswith(b"\r\n"):
+                    return [data[eol + 2:end]]
+                if size and len(data) == end + 7 and data.endswith(b"\r\n0\r\n\r\n"):
+                    self.done = True
                     return [data[eol + 2:end]]
         if self.pending:
             data = self.pending + data

@@ -66,11 +66,21 @@ def Gauge(name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:  # noq
     return Counter(name, help, labels, kind="gauge")
 
 
-@dataclass
 class _HistSeries:
-    counts: list[int]
-    total: float = 0.0
-    n: int = 0
+    """One label combination of a histogram; ``observe`` is the per-event hot path."""
+
+    __slots__ = ("buckets", "counts", "total", "n")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
 
 
 @dataclass
@@ -84,10 +94,15 @@ class Histogram:
     def observe(self, value: float, *labels: str) -> None:
         s = self.series.get(labels)
         if s is None:
-            s = self.series[labels] = _HistSeries([0] * (len(self.buckets) + 1))
-        s.counts[bisect.bisect_left(self.buckets, value)] += 1
-        s.total += value
-        s.n += 1
+            s = self.series[labels] = _HistSeries(self.buckets)
+        s.observe(value)
+
+    def child(self, *labels: str) -> _HistSeries:
+        """The series for ``labels`` (created on first use), to observe without a lookup."""
+        s = self.series.get(labels)
+        if s is None:
+            s = self.series[labels] = _HistSeries(self.buckets)
+        return s
 
     def count(self, *labels: str) -> int:
         s = self.series.get(labels)
@@ -105,6 +120,15 @@ class Histogram:
                 yield f"{full}_bucket{_fmt_labels(self.labels, labels, le)} {cum}"
             yield f"{full}_sum{_fmt_labels(self.labels, labels)} {_fmt_num(s.total)}"
             yield f"{full}_count{_fmt_labels(self.labels, labels)} {s.n}"
+
+
+@dataclass
+class PoolSeries:
+    """A model pool's per-request and per-chunk histogram series, bound once."""
+
+    chunk: _HistSeries
+    ttft: _HistSeries
+    e2e: _HistSeries
 
 
 class GatewayMetrics:
@@ -137,7 +161,15 @@ class GatewayMetrics:
                               ("model",))
         self.e2e = Histogram("e2e_seconds", "Time from request received to last byte sent", ("model",))
         self._collectors: list[Callable[[], None]] = []
+        self._pool_series: dict[str, PoolSeries] = {}
         self.extra: list[Counter | Histogram] = []  # registered by optional features (governance)
+
+    def pool_series(self, model: str) -> PoolSeries:
+        ps = self._pool_series.get(model)
+        if ps is None:
+            ps = self._pool_series[model] = PoolSeries(self.chunk_delay.child(model), self.ttft.child(model),
+                                                       self.e2e.child(model))
+        return ps
 
     def add_collector(self, fn: Callable[[], None]) -> None:
         """Register a callback run before rendering (used to refresh gauges)."""

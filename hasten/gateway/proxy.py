@@ -23,7 +23,7 @@ from hasten.gateway.metrics import GatewayMetrics
 from hasten.gateway.pipeline import GatewayError, GatewayResponse, RequestContext
 from hasten.gateway.relay import Relay
 from hasten.gateway.routing import Pool
-from hasten.gateway.tracing import Tracer
+from hasten.gateway.tracing import NOOP_SPAN, Tracer
 from hasten.gateway.upstream import UpstreamPool
 
 log = logging.getLogger("hasten.gateway")
@@ -53,7 +53,9 @@ class Proxy:
         for pool_cfg in cfg.models:
             for b in pool_cfg.backends:
                 self._pools.setdefault(b.url, UpstreamPool(b.host, b.port, cfg.timeouts.connect_s))
-        self.active: set[Relay] = set()
+        self.active: set[Relay] = set()  # streams handed to a client
+        self.first_byte_s = cfg.timeouts.first_byte_s
+        self.awaiting: set[Relay] = set()  # requests sent, first byte not yet in (relays keep it)
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -66,16 +68,20 @@ class Proxy:
                 await self._watchdog
             except (asyncio.CancelledError, Exception):
                 pass
-        for relay in list(self.active):
+        for relay in [*self.active, *self.awaiting]:
             relay.abort()
         for p in self._pools.values():
             p.close()
 
     async def _watch_idle(self) -> None:
+        """Enforce first-byte and idle timeouts. One periodic check instead of a timer per request:
+        a timeout fires at most 1/8 of the first-byte timeout (1/4 of the idle timeout) late."""
         idle = self._cfg.timeouts.idle_s
         while True:
-            await asyncio.sleep(min(1.0, idle / 4))
+            await asyncio.sleep(min(1.0, idle / 4, self.first_byte_s / 8))
             now = time.monotonic()
+            for relay in [r for r in self.awaiting if now >= r.deadline]:
+                relay.first_byte_timeout()
             for relay in list(self.active):
                 if now - relay.last_activity > idle:
                     relay.fail_now(TimeoutError(f"no data from backend for {idle:g}s"), "timeout")
@@ -131,15 +137,17 @@ class Proxy:
 
     def _request_bytes(self, ctx: RequestContext, pool: Pool, backend: BackendState, span: Any) -> bytes:
         cfg = backend.config
-        lines = [f"{ctx.method} {ctx.path} HTTP/1.1", f"host: {cfg.host}:{cfg.port}"]
-        lines.extend(f"{k}: {v}" for k, v in ctx.headers.items() if k.lower() not in _DROP_UP)
-        lines.append(f"x-request-id: {ctx.request_id}")
+        parts = [f"{ctx.method} {ctx.path} HTTP/1.1\r\nhost: {cfg.host}:{cfg.port}\r\n"]
+        for k, v in ctx.headers.items():  # names are lower case (RequestContext)
+            if k not in _DROP_UP:
+                parts.append(f"{k}: {v}\r\n")
+        parts.append(f"x-request-id: {ctx.request_id}\r\n")
         if cfg.api_key:
-            lines.append(f"authorization: Bearer {cfg.api_key}")
+            parts.append(f"authorization: Bearer {cfg.api_key}\r\n")
         if self._tracer.enabled:
             extra: dict[str, str] = {}
             self._tracer.inject(span, extra)
-            lines.extend(f"{k}: {v}" for k, v in extra.items())
+            parts.extend(f"{k}: {v}\r\n" for k, v in extra.items())
         body = ctx.body
         target = cfg.backend_model or pool.config.backend_model
         if target and ctx.payload is not None and ctx.payload.get("model") != target:
@@ -147,8 +155,8 @@ class Proxy:
             body = cache.get(target)
             if body is None:
                 body = cache[target] = json.dumps({**ctx.payload, "model": target}).encode()
-        lines.append(f"content-length: {len(body)}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        parts.append(f"content-length: {len(body)}\r\n\r\n")
+        return "".join(parts).encode("latin-1") + body
 
     async def _attempt(self, ctx: RequestContext, pool: Pool, backend: BackendState, span: Any,
                        first: bool) -> GatewayResponse:
@@ -170,7 +178,7 @@ class Proxy:
                     kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
                     raise _Retryable(kind, f"cannot connect to {backend.url}: {exc!r}") from None
                 relay = Relay(self, ctx, pool, backend, conn, span)
-                relay.send(raw, self._cfg.timeouts.first_byte_s)
+                relay.send(raw)
                 await relay.ready
                 if relay.error is None:
                     break
@@ -198,10 +206,10 @@ class Proxy:
         m = self.metrics
         backend.breaker.on_success()
         backend.observe_latency((time.perf_counter() - sent_at) * 1000)
-        span.set_attribute("gateway.backend", backend.url)
-        span.set_attribute("http.status_code", relay.status)
-        headers = {k: v for k, v in relay.headers.items() if k not in _DROP_DOWN}
-        headers["x-request-id"] = ctx.request_id
+        if span is not NOOP_SPAN:
+            span.set_attribute("gateway.backend", backend.url)
+            span.set_attribute("http.status_code", relay.status)
+        headers = {k: v for k, v in relay.headers.items() if k not in _DROP_DOWN}  # finalize adds x-request-id
         if relay.complete:
             body = relay.take_body()
             backend.in_flight -= 1
@@ -227,15 +235,14 @@ class Proxy:
         pool = ctx.pool
         assert pool is not None
         inp, candidates = self._route(ctx, pool)
-        ctx.attrs["_route"] = (inp, candidates)  # the async path reuses this decision (policies keep state)
-        if not candidates:
+        backend = candidates[0] if candidates else None
+        conn = self._pools[backend.url].take_idle() if backend is not None else None
+        if backend is None or conn is None:
+            ctx.attrs["_route"] = (inp, candidates)  # the async path reuses this decision (policies keep state)
             return None
-        backend = candidates[0]
-        conn = self._pools[backend.url].take_idle()
-        if conn is None:
-            return None
-        span = self._tracer.start("gateway.request", {"gateway.model": pool.name,
-                                                      "gateway.request_id": ctx.request_id})
+        span = (self._tracer.start("gateway.request", {"gateway.model": pool.name,
+                                                       "gateway.request_id": ctx.request_id})
+                if self._tracer.enabled else NOOP_SPAN)
         raw = self._request_bytes(ctx, pool, backend, span)
         backend.breaker.on_attempt(time.monotonic())
         backend.in_flight += 1
@@ -245,10 +252,13 @@ class Proxy:
         relay = Relay(self, ctx, pool, backend, conn, span)
 
         def ready() -> None:
-            done(self._fast_outcome(ctx, pool, backend, relay, inp, span, sent_at))
+            resp = self._fast_outcome(ctx, pool, backend, relay, inp, span, sent_at)
+            if resp is None:
+                ctx.attrs["_route"] = (inp, candidates)
+            done(resp)
 
         relay.on_ready = ready
-        relay.send(raw, self._cfg.timeouts.first_byte_s)
+        relay.send(raw)
         return relay
 
     def _fast_outcome(self, ctx: RequestContext, pool: Pool, backend: BackendState, relay: Relay,

@@ -36,7 +36,7 @@ _PAUSE_AT = 64  # queued pieces in pull mode before upstream reading is paused
 
 
 class ClientSink(Protocol):
-    def write(self, data: bytes) -> None: ...
+    def write(self, data: bytes, end: bool = False) -> None: ...  # end: also terminate the response
 
 
 def sse_error_event(message: str, code: str = "upstream_stream_error") -> bytes:
@@ -45,16 +45,24 @@ def sse_error_event(message: str, code: str = "upstream_stream_error") -> bytes:
 
 
 class Relay:
+    __slots__ = ("_loop", "_ready", "resolved", "_proxy", "_ctx", "_pool", "_backend", "_conn", "_span",
+                 "_series", "on_ready", "status", "headers", "streaming", "error", "timed_out", "complete",
+                 "last_activity", "deadline", "_parts", "_ended", "_active", "_closed", "_sink", "_done",
+                 "_on_done", "_waiter", "_arrived", "_sent_at", "_out_t", "_sent_first", "_paused", "_is_sse",
+                 "_upstream_done", "taps", "finishers")
+
     def __init__(self, proxy: Proxy, ctx: RequestContext, pool: Pool, backend: BackendState,
                  conn: UpstreamConnection, span: Any) -> None:
         self._loop = asyncio.get_running_loop()
-        self.ready: asyncio.Future[None] = self._loop.create_future()
+        self._ready: asyncio.Future[None] | None = None  # created only when awaited (async path)
+        self.resolved = False  # the first bytes (or a failure) are in
         self._proxy = proxy
         self._ctx = ctx
         self._pool = pool
         self._backend = backend
         self._conn = conn
         self._span = span
+        self._series = pool.series or proxy.metrics.pool_series(pool.name)
         self.on_ready: Callable[[], None] | None = None  # fast path: called instead of awaiting ready
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -62,15 +70,16 @@ class Relay:
         self.error: BaseException | None = None
         self.timed_out = False
         self.complete = False
-        self.last_activity = time.monotonic()
+        self.last_activity = 0.0
+        self.deadline = 0.0  # first-byte deadline (time.monotonic); the proxy's watchdog enforces it
         self._parts: list[bytes] = []
         self._ended = False
         self._active = False
         self._closed = False
         self._sink: ClientSink | None = None
         self._done: asyncio.Future[None] | None = None
+        self._on_done: Callable[[], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._arrived: float | None = None
         self._sent_at = 0.0  # when the upstream request was written (send)
         self._out_t: float | None = None
@@ -84,26 +93,40 @@ class Relay:
 
     # -- before the first byte -------------------------------------------------------
 
-    def send(self, raw: bytes, first_byte_s: float) -> None:
-        self._timer = self._loop.call_later(first_byte_s, self._first_byte_timeout)
+    def send(self, raw: bytes) -> None:
         self._sent_at = time.perf_counter()
+        self.last_activity = now = time.monotonic()
+        self.deadline = now + self._proxy.first_byte_s
+        self._proxy.awaiting.add(self)
         self._conn.start(raw, self, expect_body=self._ctx.method != "HEAD")
 
-    def _first_byte_timeout(self) -> None:
-        if not self.ready.done():
+    @property
+    def ready(self) -> asyncio.Future[None]:
+        """Resolves once the response head and first body bytes (or a failure) are in."""
+        if self._ready is None:
+            self._ready = self._loop.create_future()
+            if self.resolved:
+                self._ready.set_result(None)
+        return self._ready
+
+    def first_byte_timeout(self) -> None:
+        """Called by the proxy's watchdog when the deadline passed before the first byte."""
+        if not self.resolved and not self._closed:
             self.timed_out = True
             self._drop_connection()
-            self.error = TimeoutError(f"no response within {self._proxy._cfg.timeouts.first_byte_s:g}s")
+            self.error = TimeoutError(f"no response within {self._proxy.first_byte_s:g}s")
             self._resolve()
 
     def _resolve(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if not self.ready.done():
-            self.ready.set_result(None)
-            callback, self.on_ready = self.on_ready, None
-            if callback is not None:
-                callback()
+        if self.resolved:
+            return
+        self.resolved = True
+        self._proxy.awaiting.discard(self)
+        if self._ready is not None:
+            self._ready.set_result(None)
+        callback, self.on_ready = self.on_ready, None
+        if callback is not None:
+            callback()
 
     @property
     def conn(self) -> UpstreamConnection:
@@ -127,8 +150,7 @@ class Relay:
     def abort(self) -> None:
         """Give up on this exchange before it was handed to the client (no accounting)."""
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
+        self._proxy.awaiting.discard(self)
         self._drop_connection()
         self._proxy.active.discard(self)
 
@@ -148,13 +170,20 @@ class Relay:
         self._is_sse = headers.get("content-type", "").startswith("text/event-stream")
         self.streaming = self._is_sse or "content-length" not in headers
 
-    def on_data(self, data: bytes) -> None:
+    def on_data(self, data: bytes, last: bool = False) -> None:
         self.last_activity = time.monotonic()
         sink = self._sink
         if sink is not None:
             t0 = time.perf_counter()
-            self._write(sink, data)
-            self._proxy.metrics.chunk_delay.observe(time.perf_counter() - t0, self._pool.name)
+            # the body's last piece and the response terminator leave in one write (one syscall, one
+            # wakeup of the client) when the sink is ended by a done callback (fast path)
+            sink.write(data, last and self._on_done is not None)
+            if self.taps:
+                self._tap(data)
+            if not self._sent_first:
+                self._sent_first = True
+                self._series.ttft.observe(t0 - self._ctx.received_at)
+            self._series.chunk.observe(time.perf_counter() - t0)
             return
         self._parts.append(data)
         if not self._active:
@@ -192,28 +221,35 @@ class Relay:
     def activate(self) -> None:
         self._active = True
         self._proxy.active.add(self)
-        if self._timer is not None:
-            self._timer.cancel()
 
     def pipe(self, sink: ClientSink) -> asyncio.Future[None]:
         """Push mode: write everything to ``sink`` as it arrives; the future resolves at the end."""
         self._done = self._loop.create_future()
-        parts, self._parts = self._parts, []
-        for p in parts:
-            self._write(sink, p)
-        self._sink = sink
-        self._settle_pending()
+        self.pipe_to(sink, None)
         if self._closed and not self._done.done():
             self._done.set_result(None)
         return self._done
 
-    def _write(self, sink: ClientSink, data: bytes) -> None:
-        sink.write(data)
-        if self.taps:
-            self._tap(data)
-        if not self._sent_first:
+    def pipe_to(self, sink: ClientSink, on_done: Callable[[], None] | None) -> None:
+        """Push mode with a plain callback, called once at the end (possibly before this returns)."""
+        self._on_done = on_done
+        parts, self._parts = self._parts, []
+        for p in parts:
+            sink.write(p)
+            if self.taps:
+                self._tap(p)
+        if parts and not self._sent_first:
             self._sent_first = True
-            self._proxy.metrics.ttft.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)
+            self._series.ttft.observe(time.perf_counter() - self._ctx.received_at)
+        self._sink = sink
+        self._settle_pending()
+        if self._closed and self._on_done is not None:
+            self._call_done()
+
+    def _call_done(self) -> None:
+        callback, self._on_done = self._on_done, None
+        if callback is not None:
+            callback()
 
     def _settle_pending(self) -> None:
         if self.error is not None and not self._closed:
@@ -233,13 +269,12 @@ class Relay:
         return self
 
     async def __anext__(self) -> bytes:
-        metrics = self._proxy.metrics
         if self._out_t is not None:
             now = time.perf_counter()
-            metrics.chunk_delay.observe(now - self._out_t, self._pool.name)
+            self._series.chunk.observe(now - self._out_t)
             if not self._sent_first:
                 self._sent_first = True
-                metrics.ttft.observe(now - self._ctx.received_at, self._pool.name)
+                self._series.ttft.observe(now - self._ctx.received_at)
             self._out_t = None
         while True:
             if self._parts:
@@ -300,7 +335,7 @@ class Relay:
             self._drop_connection()
         self._proxy.active.discard(self)
         self._backend.in_flight -= 1
-        self._proxy.metrics.e2e.observe(time.perf_counter() - self._ctx.received_at, self._pool.name)
+        self._series.e2e.observe(time.perf_counter() - self._ctx.received_at)
         self._span.end()
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
@@ -311,6 +346,8 @@ class Relay:
                 fn(clean)
             except Exception:  # an observer must not break the stream
                 log.exception("request %s: stream observer failed", self._ctx.request_id)
+        if self._on_done is not None:
+            self._call_done()
 
     def _tap(self, data: bytes) -> None:
         for fn in self.taps:

@@ -18,7 +18,7 @@ from hasten.gateway.h1 import MAX_HEAD, ChunkedDecoder, ProtocolError, parse_res
 class Sink(Protocol):
     def on_head(self, status: int, headers: dict[str, str]) -> None: ...
 
-    def on_data(self, data: bytes) -> None: ...
+    def on_data(self, data: bytes, last: bool = False) -> None: ...  # last: the body ends with it
 
     def on_end(self) -> None: ...
 
@@ -116,7 +116,7 @@ class UpstreamConnection(asyncio.Protocol):
                 self._fail(exc)
                 return
             if parts:
-                sink.on_data(parts[0] if len(parts) == 1 else b"".join(parts))
+                sink.on_data(parts[0] if len(parts) == 1 else b"".join(parts), decoder.done)
             if decoder.done and self.sink is not None:
                 if decoder.extra:
                     self._keep = False
@@ -125,7 +125,7 @@ class UpstreamConnection(asyncio.Protocol):
             take = data[:self._length] if len(data) > self._length else data
             self._length -= len(take)
             if take:
-                sink.on_data(take)
+                sink.on_data(take, not self._length)
             if not self._length and self.sink is not None:
                 if len(take) < len(data):
                     self._keep = False

@@ -32,6 +32,15 @@ def test_chunked_decoder_any_split() -> None:
         assert (dec.extra + wire[pos:]) == b"NEXT"
 
 
+def test_chunked_decoder_last_chunk_with_terminator() -> None:
+    dec = ChunkedDecoder()
+    assert dec.feed(b"5\r\nhello\r\n0\r\n\r\n") == [b"hello"]
+    assert dec.done and dec.extra == b""
+    dec = ChunkedDecoder()  # not the fast shape: trailers and extra bytes after the body
+    assert dec.feed(b"5\r\nhello\r\n0\r\nx-t: 1\r\n\r\nGET") == [b"hello"]
+    assert dec.done and dec.extra == b"GET"
+
+
 def test_chunked_decoder_forwards_partial_chunks_immediately() -> None:
     dec = ChunkedDecoder()
     assert dec.feed(b"a;ext=1\r\nhello") == [b"hello"]  # no waiting for the rest of the chunk
