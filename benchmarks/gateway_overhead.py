@@ -5,6 +5,8 @@
     python benchmarks/gateway_overhead.py --http2               # gateway on hypercorn (h1 clients)
     python benchmarks/gateway_overhead.py --nginx --pipe-baseline  # + nginx and a bare TCP relay
                                                                   #   in the same place (references)
+    python benchmarks/gateway_overhead.py --nice -10            # the gateway (and the references)
+                                                                  #   at CPU priority -10 (`nice:`)
     python benchmarks/gateway_overhead.py --real-model PATH.gguf --skip-fake  # 2 real `hasten serve`
                                                        # replicas: prefix_aware vs round_robin
 
@@ -69,9 +71,12 @@ def addr(line: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def write_config(path: Path, backends: list[str], policy: str, http2: bool = False) -> None:
-    cfg = {"listen": "127.0.0.1:0", "http2": http2,
-           "models": [{"name": "bench", "policy": policy, "backends": [{"url": u} for u in backends]}]}
+def write_config(path: Path, backends: list[str], policy: str, http2: bool = False,
+                 nice: int | None = None) -> None:
+    cfg: dict = {"listen": "127.0.0.1:0", "http2": http2,
+                 "models": [{"name": "bench", "policy": policy, "backends": [{"url": u} for u in backends]}]}
+    if nice is not None:
+        cfg["nice"] = nice
     path.write_text(json.dumps(cfg))  # JSON is valid YAML
 
 
@@ -103,15 +108,17 @@ def fake_overhead(args: argparse.Namespace) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = Path(tmp) / "gateway.yaml"
-            write_config(cfg, [f"http://{bhost}:{bport}"], "round_robin", args.http2)
+            write_config(cfg, [f"http://{bhost}:{bport}"], "round_robin", args.http2, args.nice)
             gateway, gline = spawn(["-m", "hasten.cli", "gateway", "--config", str(cfg)], "listening")
         ghost, gport = addr(gline)
         targets = [("direct", (bhost, bport)), ("gateway", (ghost, gport))]
         if args.pipe_baseline:
             pipe, pline = spawn([str(Path(__file__).resolve()), "--_pipe", f"{bhost}:{bport}"], "listening")
+            if args.nice is not None:
+                os.setpriority(os.PRIO_PROCESS, pipe.pid, args.nice)
             targets.append(("pipe", addr(pline)))
         if args.nginx:
-            nginx, nport = start_nginx(args.nginx, bhost, bport, nginx_dir := tempfile.mkdtemp())
+            nginx, nport = start_nginx(args.nginx, bhost, bport, nginx_dir := tempfile.mkdtemp(), args.nice)
             targets.append(("nginx", ("127.0.0.1", nport)))
         payload = {"model": "bench", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
         rows = []
@@ -175,13 +182,15 @@ http {{
 """
 
 
-def start_nginx(binary: str, host: str, port: int, folder: str) -> tuple[subprocess.Popen, int]:
+def start_nginx(binary: str, host: str, port: int, folder: str,
+                nice: int | None = None) -> tuple[subprocess.Popen, int]:
     """A reference proxy written in C: nginx, one worker, streaming (proxy_buffering off), keep-alive
     to the backend; the same hop as the gateway with the least per-chunk work we know of."""
     listen = _free_port()
     conf = Path(folder) / "nginx.conf"
     conf.write_text(NGINX_CONF.format(dir=folder, host=host, port=port, listen=listen))
-    proc = subprocess.Popen([binary, "-p", folder, "-c", str(conf)], stdout=subprocess.DEVNULL,
+    prefix = ["nice", "-n", str(nice)] if nice is not None else []
+    proc = subprocess.Popen([*prefix, binary, "-p", folder, "-c", str(conf)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
     import socket
 
@@ -288,7 +297,8 @@ def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, LoadResult]
     print(f"\nload average before the run: {args.load_before:.2f} (1 min); fake backend: {args.tokens} tokens/stream, "
           f"{args.interval_ms} ms between tokens, ttft {args.ttft_ms} ms; {args.duration}s x {args.rounds} round(s) "
           f"per cell; gateway transport: {'hypercorn (h1+h2c)' if args.http2 else 'raw asyncio (HTTP/1.1)'}; "
-          f"cpus: {os.cpu_count()} shared by client, gateway and backend")
+          f"cpus: {os.cpu_count()} shared by client, gateway and backend; gateway (and reference relays) at "
+          f"nice {0 if args.nice is None else args.nice}, backend and client at nice 0")
     hdr = (f"{'streams':>7} | {'TTFT p50 direct/gw/added':>26} | {'TTFT p99 direct/gw/added':>26} | "
            f"{'chunk p50 d/gw/added':>22} | {'chunk p99 d/gw/added':>22} | {'req/s gw':>8} | {'errors':>6} | "
            f"{'gw CPU':>6} | {'gw us/chunk':>11} | {'machine busy':>12}")
@@ -442,6 +452,9 @@ def main() -> None:
                    help="also measure a do-nothing TCP relay process in place of the gateway")
     p.add_argument("--nginx", nargs="?", const="nginx", default=None, metavar="BINARY",
                    help="also measure nginx (one worker, streaming) as a reference proxy in the same place")
+    p.add_argument("--nice", type=int, default=None, metavar="N",
+                   help="run the gateway with `nice: N` (and the pipe/nginx references at the same priority); "
+                        "negative values need root or CAP_SYS_NICE")
     p.add_argument("--_pipe", help=argparse.SUPPRESS)
     args = p.parse_args()
     with contextlib.suppress(ImportError):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -21,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http2", action="store_true", help="serve HTTP/1.1 + cleartext HTTP/2 via hypercorn")
     p.add_argument("--check", action="store_true", help="validate the config and exit")
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    p.add_argument("--nice", type=int, metavar="N",
+                   help="override 'nice': the gateway's CPU priority, -20 (highest) .. 19")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -41,11 +44,18 @@ def main(argv: list[str]) -> int:
         return 2
     if args.http2:
         cfg = replace(cfg, http2=True)
+    if args.nice is not None:
+        if not -20 <= args.nice <= 19:
+            print(f"hasten gateway: --nice must be between -20 and 19, got {args.nice}", file=sys.stderr)
+            return 2
+        cfg = replace(cfg, nice=args.nice)
     if args.check:
         backends = sum(len(p.backends) for p in cfg.models)
         print(f"config OK: {len(cfg.models)} model pool(s), {backends} backend(s), "
               f"{len(cfg.tenants)} tenant(s)")
         return 0
+    if cfg.nice is not None:
+        set_nice(cfg.nice)
     if not args.no_uvloop:
         with contextlib.suppress(ImportError):
             import uvloop
@@ -56,6 +66,21 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def set_nice(nice: int) -> bool:
+    """Set this process's CPU priority. The gateway's work per request is small but on its critical
+    path: on cores shared with engine or client processes, a negative value lets it run as soon as
+    bytes arrive instead of waiting out another process's time slice (docs/benchmarks.md). Lowering
+    the value needs CAP_SYS_NICE (or RLIMIT_NICE); without it this warns and keeps the current one."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError as exc:
+        logging.getLogger("hasten.gateway").warning(
+            "cannot set nice %d (%s); the gateway keeps nice %d", nice, exc.strerror or exc,
+            os.getpriority(os.PRIO_PROCESS, 0))
+        return False
+    return True
 
 
 async def _run(cfg) -> None:  # noqa: ANN001 - GatewayConfig, imported lazily

@@ -98,6 +98,7 @@ class GatewayConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     governance: GovernanceConfig = field(default_factory=GovernanceConfig)
+    nice: int | None = None  # CPU priority for the gateway process (-20..19); None: leave it alone
 
 
 class _Checker:
@@ -253,7 +254,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     """Validate a decoded YAML document and build a :class:`GatewayConfig`."""
     c = _Checker()
     allowed = {"listen", "models", "tenants", "region", "region_header", "http2", "max_retries",
-               "max_body_bytes", "health", "timeouts", "tracing", *TOP_KEYS}
+               "max_body_bytes", "health", "timeouts", "tracing", "nice", *TOP_KEYS}
     if raw is None:
         raise ConfigError(source, ["the file is empty; expected a mapping with 'listen' and 'models'"])
     raw = c.mapping(raw, "", allowed)
@@ -322,6 +323,10 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     if not health.path.startswith("/"):
         c.fail("health.path", f"must start with '/', got {health.path!r}")
     governance = parse_governance(c, raw, gov_tenants, gov_models, {p.name for p in pools})
+    nice = c.number(raw, "nice", "", None, minimum=-20, integer=True)
+    if nice is not None and nice > 19:
+        c.fail("nice", f"must be between -20 and 19, got {nice!r}")
+        nice = None
     config = GatewayConfig(
         host=host, port=port, models=tuple(pools), tenants=tuple(tenants),
         region=c.string(raw, "region", ""),
@@ -329,7 +334,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         http2=c.boolean(raw, "http2", "", False),
         max_retries=c.number(raw, "max_retries", "", 2, integer=True),
         max_body_bytes=c.number(raw, "max_body_bytes", "", 32 * 1024 * 1024, integer=True, positive=True),
-        health=health, timeouts=timeouts, tracing=tracing, governance=governance,
+        health=health, timeouts=timeouts, tracing=tracing, governance=governance, nice=nice,
     )
     if c.problems:
         raise ConfigError(source, c.problems)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,9 @@ def test_backend_model_and_defaults() -> None:
      "tenants[0].key: is required"),
     ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "timeouts": {"connect_s": "fast"}},
      "timeouts.connect_s: expected a number"),
+    ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "nice": 20}, "nice: must be between -20 and 19"),
+    ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "nice": -21}, "nice: must be >= -20"),
+    ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "nice": 1.5}, "nice: expected an integer"),
 ])
 def test_errors_name_the_location(raw: dict, expected: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -102,3 +106,24 @@ def test_cli_reports_config_errors(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "hasten.cli", "gateway", "--config", str(path), "--check"],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "config OK" in r.stdout
+
+
+def test_nice_sets_the_gateway_process_priority(cluster) -> None:  # noqa: ANN001 - fixture
+    b = cluster.backend("b1")
+    cfg = {"listen": "127.0.0.1:0", "nice": 5, "models": [{"name": "m", "backends": [{"url": b.url}]}]}
+    g = cluster.gateway(cfg)
+    stat = Path(f"/proc/{g.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    assert int(stat[16]) == 5  # field 19 of /proc/PID/stat: nice
+    g2 = cluster.gateway(cfg, "--nice", "7")  # the command line overrides the file
+    assert int(Path(f"/proc/{g2.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 7
+
+
+def test_nice_without_permission_warns_and_keeps_running(monkeypatch, caplog) -> None:  # noqa: ANN001
+    from hasten.gateway.cli import set_nice
+
+    def refuse(*_: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    assert set_nice(-10) is False
+    assert "cannot set nice -10 (Operation not permitted)" in caplog.text
