@@ -44,8 +44,6 @@ class Gateway:
         self.pools: dict[str, Pool] = {
             p.name: Pool(p, cfg.health.failure_threshold, cfg.health.cooldown_s) for p in cfg.models
         }
-        for name, pool in self.pools.items():
-            pool.series = self.metrics.pool_series(name)
         self._tenants = {t.key: t for t in cfg.tenants}
         self.proxy = Proxy(cfg, self.metrics, self.tracer)
         all_backends = [b for pool in self.pools.values() for b in pool.backends]

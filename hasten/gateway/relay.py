@@ -62,7 +62,7 @@ class Relay:
         self._backend = backend
         self._conn = conn
         self._span = span
-        self._series = pool.series or proxy.metrics.pool_series(pool.name)
+        self._series = proxy.metrics.pool_series(pool.name)
         self.on_ready: Callable[[], None] | None = None  # fast path: called instead of awaiting ready
         self.status = 0
         self.headers: dict[str, str] = {}

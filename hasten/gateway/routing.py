@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 from hasten.gateway.config import PoolConfig
 from hasten.gateway.health import BackendState, CircuitBreaker
-from hasten.gateway.metrics import PoolSeries
 
 
 def stable_hash(data: bytes) -> int:
@@ -226,7 +225,6 @@ class Pool:
         self.name = cfg.name
         self.backends = [BackendState(b, CircuitBreaker(failure_threshold, cooldown_s)) for b in cfg.backends]
         self.policy = make_policy(cfg, self.backends)
-        self.series: PoolSeries | None = None  # this pool's metric series (the gateway binds them)
 
     def route_input(self, payload: dict[str, Any] | None, session: str | None,
                     region: str | None) -> RouteInput:
