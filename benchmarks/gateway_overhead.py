@@ -7,7 +7,7 @@
                                                                   #   in the same place (references)
     python benchmarks/gateway_overhead.py --nice -10            # the gateway (and the references)
                                                                   #   at CPU priority -10 (`nice:`)
-    python benchmarks/gateway_overhead.py --real-model PATH.gguf --skip-fake  # 2 real `hasten serve`
+    python benchmarks/gateway_overhead.py --real-model --skip-fake  # 2 real `hasten serve`
                                                        # replicas: prefix_aware vs round_robin
 
 Processes: one fake backend (raw asyncio + uvloop), one gateway, and this load client
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -340,17 +339,22 @@ def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, LoadResult]
 
 
 def real_replicas(args: argparse.Namespace) -> None:
-    """2 real `hasten serve` replicas, shared-prefix workload: prefix_aware vs round_robin."""
-    if importlib.util.find_spec("hasten.server.app") is None:
-        print("SKIPPED: hasten.server.app does not exist yet, so `hasten serve` cannot run real replicas")
-        return
+    """2 real `hasten serve` replicas, `hasten bench`'s shared-prefix workload: prefix_aware vs round_robin.
+
+    Each policy gets its own system prompts (another workload seed), so neither finds the
+    replicas' prefix caches warmed by the other; the hit rate comes from the replicas' own
+    `hasten:prefix_cache_*` counters over that policy's run.
+    """
+    from hasten.model.loader import default_model_path
+
+    model = str(default_model_path()) if args.real_model == "default" else args.real_model
     replicas = []
     try:
         urls = []
         for _ in range(2):
             port = _free_port()
-            proc = subprocess.Popen([sys.executable, "-m", "hasten.cli", "serve", args.real_model, "--host",
-                                     "127.0.0.1", "--port", str(port)], cwd=ROOT,
+            proc = subprocess.Popen([sys.executable, "-m", "hasten.cli", "serve", model, "--host",
+                                     "127.0.0.1", "--port", str(port), *args.real_serve_arg], cwd=ROOT,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             replicas.append(proc)
             urls.append(f"http://127.0.0.1:{port}")
@@ -358,12 +362,14 @@ def real_replicas(args: argparse.Namespace) -> None:
             _wait_health(u, proc, 600)
         with urllib.request.urlopen(urls[0] + "/v1/models", timeout=5) as r:
             served = json.loads(r.read())["data"][0]["id"]
-        prefixes = [f"You are assistant #{i}. " + "Follow the house style guide carefully. " * 40
-                    for i in range(8)]
-        print(f"\n2 x hasten serve {args.real_model}: 8 shared system prompts (~1.6k chars each), "
-              f"{args.real_concurrency} concurrent streams, {args.duration}s x 2 passes per policy")
-        print(f"{'policy':>18} | {'requests':>8} | {'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | {'prefix hit rate':>15}")
-        for policy in ("round_robin", "prefix_aware"):
+        bench = ["--endpoint", "chat", "--dataset", "shared-prefix", "--num-prefixes", str(args.real_prefixes),
+                 "--prefix-len", "384", "--input-len", "32", "--output-len", "16",
+                 "--concurrency", str(args.real_concurrency), "--num-requests", str(args.real_requests)]
+        print(f"\n2 x hasten serve {model} {' '.join(args.real_serve_arg)}, one gateway per policy in front of both; "
+              f"hasten bench {' '.join(bench)} (system prompts drawn from a different seed per policy)")
+        print(f"{'policy':>18} | {'requests':>8} | {'TTFT p50 ms':>11} | {'TTFT p99 ms':>11} | "
+              f"{'req/s':>6} | {'prefix hit rate':>15} | {'per replica':>15}")
+        for seed, policy in enumerate(args.real_policies, start=1):  # ABBA: order effects cancel
             before = [_hit_counts(u) for u in urls]
             with tempfile.TemporaryDirectory() as tmp:
                 cfg = Path(tmp) / "gateway.yaml"
@@ -371,33 +377,28 @@ def real_replicas(args: argparse.Namespace) -> None:
                     {"name": "bench", "policy": policy, "backend_model": served,
                      "backends": [{"url": u} for u in urls]}]}))
                 gw, line = spawn(["-m", "hasten.cli", "gateway", "--config", str(cfg)], "listening")
-            try:
-                res = asyncio.run(_prefix_load(*addr(line), args, prefixes))
-            finally:
-                stop(gw)
+                try:
+                    host, port = addr(line)
+                    out = Path(tmp) / "summary.json"
+                    subprocess.run([sys.executable, "-m", "hasten.cli", "bench", "--base-url",
+                                    f"http://{host}:{port}", "--model", "bench", *bench, "--seed", str(seed),
+                                    "--save-json", str(out), "--quiet"], cwd=ROOT, check=True,
+                                   stdout=subprocess.DEVNULL)
+                    summary = json.loads(out.read_text())
+                finally:
+                    stop(gw)
             after = [_hit_counts(u) for u in urls]
-            hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-            total = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-            rate = f"{hits / total:.1%}" if total else "n/a"
-            print(f"{policy:>18} | {len(res.ttft_ms):>8} | {pct(res.ttft_ms, 50):11.1f} | "
-                  f"{pct(res.ttft_ms, 99):11.1f} | {rate:>15}")
+            hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+            queried = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+            rate = f"{sum(hits) / sum(queried):.1%}" if sum(queried) else "n/a"
+            split = "/".join(f"{q:.0f}" for q in queried)
+            print(f"{policy:>18} | {summary['completed']:>8} | {summary['median_ttft_ms']:11.1f} | "
+                  f"{summary['p99_ttft_ms']:11.1f} | {summary['request_throughput']:6.2f} | {rate:>15} | "
+                  f"{split:>15}")
+        print("per replica = prompt tokens each replica looked up in its prefix cache")
     finally:
         for p in replicas:
             stop(p)  # type: ignore[arg-type]
-
-
-async def _prefix_load(host: str, port: int, args: argparse.Namespace, prefixes: list[str]) -> LoadResult:
-    total = LoadResult()
-    per = max(1, args.real_concurrency // len(prefixes))
-    for _ in range(2):  # first pass fills caches, second is measured too; both count
-        results = await asyncio.gather(*(
-            run_load(host, port, per, args.duration, {
-                "model": "bench", "stream": True, "max_tokens": 16,
-                "messages": [{"role": "system", "content": p}, {"role": "user", "content": f"question {i}"}]})
-            for i, p in enumerate(prefixes)))
-        for r in results:
-            total.ttft_ms += r.ttft_ms
-    return total
 
 
 def _free_port() -> int:
@@ -444,9 +445,18 @@ def main() -> None:
     p.add_argument("--interval-ms", type=float, default=25.0)
     p.add_argument("--ttft-ms", type=float, default=0.0)
     p.add_argument("--http2", action="store_true", help="run the gateway on hypercorn (HTTP/2 capable)")
-    p.add_argument("--real-model", help="also run the 2-real-replica prefix benchmark: a model `hasten serve` "
-                                        "can load (name, folder or .gguf path)")
-    p.add_argument("--real-concurrency", type=int, default=16)
+    p.add_argument("--real-model", nargs="?", const="default", default=None, metavar="MODEL",
+                   help="also run the 2-real-replica prefix benchmark: a model folder or .gguf path "
+                        "`hasten serve` can load (no value: the embedded default model)")
+    p.add_argument("--real-concurrency", type=int, default=8)
+    p.add_argument("--real-requests", type=int, default=64, help="measured requests per policy")
+    p.add_argument("--real-prefixes", type=int, default=8, help="distinct system prompts per policy")
+    p.add_argument("--real-serve-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for each replica's `hasten serve` (repeatable), e.g. "
+                        "--real-serve-arg=--num-kv-blocks=400 to make the KV cache the constraint")
+    p.add_argument("--real-policies", type=lambda v: v.split(","),
+                   default=["round_robin", "prefix_aware", "prefix_aware", "round_robin"],
+                   help="policies to run, in this order, each with fresh system prompts")
     p.add_argument("--skip-fake", action="store_true", help="only run the real-replica part")
     p.add_argument("--pipe-baseline", action="store_true",
                    help="also measure a do-nothing TCP relay process in place of the gateway")

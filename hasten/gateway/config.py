@@ -50,6 +50,7 @@ class PoolConfig:
     prefix_block_chars: int = 128
     prefix_max_blocks: int = 64
     load_factor: float = 1.25
+    load_slack: int = 1  # requests a replica may hold beyond its load_factor bound (prefix_aware)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def _backend(c: _Checker, raw: Any, where: str) -> BackendConfig | None:
 
 def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
     allowed = {"name", "policy", "backends", "backend_model", "session_header", "prefix_block_chars",
-               "prefix_max_blocks", "load_factor", *ROUTE_KEYS}
+               "prefix_max_blocks", "load_factor", "load_slack", *ROUTE_KEYS}
     raw = c.mapping(raw, where, allowed)
     name = c.string(raw, "name", where, required=True)
     policy = c.string(raw, "policy", where, default="round_robin")
@@ -211,6 +212,7 @@ def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
     block = c.number(raw, "prefix_block_chars", where, 128, minimum=1, integer=True)
     max_blocks = c.number(raw, "prefix_max_blocks", where, 64, minimum=1, integer=True)
     load_factor = c.number(raw, "load_factor", where, 1.25, minimum=1.0)
+    load_slack = c.number(raw, "load_slack", where, 1, minimum=0, integer=True)
     backends_raw = raw.get("backends")
     backends: list[BackendConfig] = []
     if not isinstance(backends_raw, list) or not backends_raw:
@@ -229,7 +231,7 @@ def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
         return None
     return PoolConfig(name=name, backends=tuple(backends), policy=policy, backend_model=backend_model,
                       session_header=session_header.lower(), prefix_block_chars=block,
-                      prefix_max_blocks=max_blocks, load_factor=float(load_factor))
+                      prefix_max_blocks=max_blocks, load_factor=float(load_factor), load_slack=load_slack)
 
 
 def _section(c: _Checker, raw: dict[str, Any], key: str, cls: type, spec: dict[str, tuple]) -> Any:

@@ -109,20 +109,28 @@ class PrefixAware:
     """Approximate prefix tree plus bounded-load consistent hashing.
 
     The prompt is cut into blocks of ``prefix_block_chars`` characters and each prefix
-    (blocks 0..i) gets a chained hash. A bounded LRU table remembers which replica last
-    served each prefix hash; a request goes to the replica holding its longest known
-    prefix. Unknown prefixes are placed on a consistent-hash ring keyed by the first
-    block, so that requests sharing a system prompt meet on one replica, across gateway
-    instances too. A replica is skipped when it is overloaded: more than
-    ``load_factor`` times its weighted share of the pool's in-flight requests.
+    (blocks 0..i) gets a chained hash. A bounded LRU table remembers which replicas served
+    each prefix hash (up to ``MAX_HOLDERS``, most recent first); a request goes to the
+    least loaded replica holding its longest known prefix. Unknown prefixes are placed on a
+    consistent-hash ring keyed by the first block, so that requests sharing a system prompt
+    meet on one replica, across gateway instances too. A replica is skipped when it is
+    overloaded: more than ``load_factor`` times its weighted share of the pool's in-flight
+    requests plus ``load_slack`` (at small loads a purely relative bound would spill a
+    prefix for an imbalance of one or two requests). A request that spills over adds its
+    replica as a second holder of the prefix rather than moving the prefix there, so later
+    requests use whichever copy has room and the prefix does not flap between replicas
+    (each move would cost one more prefill).
     """
+
+    MAX_HOLDERS = 4
 
     def __init__(self, cfg: PoolConfig, backends: list[BackendState], vnodes: int = 64,
                  table_size: int = 65536) -> None:
         self._block = cfg.prefix_block_chars
         self._max_blocks = cfg.prefix_max_blocks
         self._load_factor = cfg.load_factor
-        self._table: OrderedDict[int, str] = OrderedDict()
+        self._slack = cfg.load_slack
+        self._table: OrderedDict[int, tuple[str, ...]] = OrderedDict()  # prefix hash -> holder URLs
         self._table_size = table_size
         ring: list[tuple[int, str]] = []
         for b in backends:
@@ -154,17 +162,15 @@ class PrefixAware:
         total_weight = sum(b.weight for b in group)
 
         def fits(b: BackendState) -> bool:
-            bound = math.ceil(self._load_factor * total_load * b.weight / total_weight)
+            bound = math.ceil(self._load_factor * total_load * b.weight / total_weight) + self._slack
             return b.in_flight + 1 <= bound
 
         primary: BackendState | None = None
         for h in reversed(inp.block_hashes):
-            url = self._table.get(h)
-            if url is not None:
-                b = by_url.get(url)
-                if b is not None and fits(b):
-                    primary = b
-                    break
+            holders = [b for u in self._table.get(h, ()) if (b := by_url.get(u)) is not None and fits(b)]
+            if holders:  # the least loaded copy; ties go to the most recent holder
+                primary = min(holders, key=lambda b: b.in_flight / b.weight)
+                break
         if primary is None and inp.block_hashes:
             n = len(self._ring_keys)
             start = bisect.bisect_left(self._ring_keys, inp.block_hashes[0])
@@ -178,9 +184,15 @@ class PrefixAware:
 
     def commit(self, inp: RouteInput, backend: BackendState) -> None:
         table = self._table
+        url = backend.url
         for h in inp.block_hashes:
-            table[h] = backend.url
-            table.move_to_end(h)
+            holders = table.get(h)
+            if holders is None:
+                table[h] = (url,)
+            else:
+                if holders[0] != url:
+                    table[h] = (url, *[u for u in holders if u != url][:self.MAX_HOLDERS - 1])
+                table.move_to_end(h)
         while len(table) > self._table_size:
             table.popitem(last=False)
 

@@ -67,6 +67,8 @@ def test_backend_model_and_defaults() -> None:
     ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "timeouts": {"connect_s": "fast"}},
      "timeouts.connect_s: expected a number"),
     ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "nice": 20}, "nice: must be between -20 and 19"),
+    ({"models": [{"name": "m", "load_slack": -1, "backends": [{"url": "http://h:1"}]}]},
+     "models[0].load_slack: must be >= 0"),
     ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "nice": -21}, "nice: must be >= -20"),
     ({"models": [{"name": "m", "backends": [{"url": "http://h:1"}]}], "nice": 1.5}, "nice: expected an integer"),
 ])

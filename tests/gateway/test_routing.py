@@ -57,6 +57,46 @@ def test_prefix_aware_affinity_and_bounded_load() -> None:
     assert route(shared + "another") in (first, spill)
 
 
+def test_prefix_spill_adds_a_holder_instead_of_moving_the_prefix() -> None:
+    pool = make_pool("prefix_aware")
+    policy = pool.policy
+    shared = "system: house rules. " * 30
+
+    def route(text: str) -> str:
+        inp = pool.route_input({"messages": [{"role": "user", "content": text}]}, None, None)
+        b = pool.candidates(inp)[0]
+        policy.commit(inp, b)
+        return b.url
+
+    home = route(shared + "q0")
+    owner = next(b for b in pool.backends if b.url == home)
+    owner.in_flight = 10
+    spill = route(shared + "q1")
+    assert spill != home
+    # the prefix now has two copies: new questions go to the less loaded one and never to the third
+    # replica, and the first copy is still used once it has room (it was not moved away)
+    third = next(b for b in pool.backends if b.url not in (home, spill))
+    other = next(b for b in pool.backends if b.url == spill)
+    owner.in_flight, other.in_flight = 0, 3
+    assert route(shared + "q2") == home
+    owner.in_flight, other.in_flight = 3, 0
+    assert route(shared + "q3") == spill
+    assert third.url not in {route(shared + f"r{i}") for i in range(10)}
+
+
+def test_load_slack_keeps_small_imbalances_on_the_prefix_holder() -> None:
+    backends = [{"url": "http://127.0.0.1:9000"}, {"url": "http://127.0.0.1:9001"}]
+    texts = [f"tenant {i} system prompt " * 10 for i in range(4)]
+    for slack, expect_home in ((0, False), (1, True)):
+        cfg = parse_config({"models": [{"name": "m", "policy": "prefix_aware", "load_slack": slack,
+                                        "backends": backends}]})
+        pool = Pool(cfg.models[0])
+        inp = pool.route_input({"prompt": texts[0]}, None, None)
+        home = pool.candidates(inp)[0]
+        home.in_flight = 3  # 3 vs 0: bound ceil(1.25 * 4 / 2) = 3, so a 4th request is over it by one
+        assert (pool.candidates(inp)[0] is home) is expect_home
+
+
 def test_prefix_placement_is_stable_across_instances() -> None:
     """Two gateway instances with no shared state place new prefixes identically."""
     a, b = make_pool("prefix_aware"), make_pool("prefix_aware")
