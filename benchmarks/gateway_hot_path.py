@@ -28,37 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hasten.gateway.app import ClientConnection  # noqa: E402
 from hasten.gateway.config import parse_config  # noqa: E402
 from hasten.gateway.core import Gateway  # noqa: E402
+from hasten.gateway.testing import MemoryTransport  # noqa: E402
 from hasten.gateway.upstream import UpstreamConnection  # noqa: E402
-
-
-class MemoryTransport(asyncio.Transport):
-    """Collects what is written; enough of the transport API for the gateway's protocols."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out: list[bytes] = []
-        self.closing = False
-
-    def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.out.append(data)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def get_write_buffer_size(self) -> int:
-        return 0
 
 
 def sse_chunk(i: int) -> bytes:

@@ -172,6 +172,37 @@ class FakeBackend:
         return True
 
 
+class MemoryTransport(asyncio.Transport):
+    """An in-memory transport: collects what is written. Enough of the transport API to drive the
+    gateway's protocols (client connection, upstream connection) without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.out.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
 # -- lean load client ------------------------------------------------------------------
 
 

@@ -12,32 +12,8 @@ from gw_helpers import ROOT
 from hasten.gateway.app import ClientConnection
 from hasten.gateway.config import parse_config
 from hasten.gateway.core import Gateway
+from hasten.gateway.testing import MemoryTransport
 from hasten.gateway.upstream import UpstreamConnection
-
-
-class MemoryTransport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.out: list[bytes] = []
-        self.closing = False
-
-    def write(self, data: bytes) -> None:  # type: ignore[override]
-        self.out.append(data)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 def _request(rid: str) -> bytes:

@@ -32,17 +32,21 @@ def test_least_outstanding() -> None:
     assert order == ["9001", "9002", "9000"]
 
 
+def route_and_commit(pool: Pool, text: str) -> str:
+    """Route one chat prompt, commit the choice as the proxy does, return the chosen URL."""
+    inp = pool.route_input({"messages": [{"role": "user", "content": text}]}, None, None)
+    b = pool.candidates(inp)[0]
+    pool.policy.commit(inp, b)
+    return b.url
+
+
 def test_prefix_aware_affinity_and_bounded_load() -> None:
     pool = make_pool("prefix_aware")
-    policy = pool.policy
-    assert isinstance(policy, PrefixAware)
+    assert isinstance(pool.policy, PrefixAware)
     shared = "system: house rules. " * 30
 
     def route(text: str) -> str:
-        inp = pool.route_input({"messages": [{"role": "user", "content": text}]}, None, None)
-        b = pool.candidates(inp)[0]
-        policy.commit(inp, b)
-        return b.url
+        return route_and_commit(pool, text)
 
     first = route(shared + "q1")
     assert all(route(shared + f"q{i}") == first for i in range(20))
@@ -59,14 +63,10 @@ def test_prefix_aware_affinity_and_bounded_load() -> None:
 
 def test_prefix_spill_adds_a_holder_instead_of_moving_the_prefix() -> None:
     pool = make_pool("prefix_aware")
-    policy = pool.policy
     shared = "system: house rules. " * 30
 
     def route(text: str) -> str:
-        inp = pool.route_input({"messages": [{"role": "user", "content": text}]}, None, None)
-        b = pool.candidates(inp)[0]
-        policy.commit(inp, b)
-        return b.url
+        return route_and_commit(pool, text)
 
     home = route(shared + "q0")
     owner = next(b for b in pool.backends if b.url == home)
