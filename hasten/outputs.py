@@ -82,3 +82,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # set (with finished=True) when the engine failed this request alone

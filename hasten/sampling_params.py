@@ -34,6 +34,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # token id -> value added to its logit before sampling (OpenAI / vLLM `logit_bias`, within [-100, 100])
+    logit_bias: dict[int, float] | None = None
     # Filled in by structured-output support; a callable(token_ids) -> allowed-token mask.
     logits_processors: list = field(default_factory=list)
 
@@ -76,6 +78,20 @@ class SamplingParams:
             bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0:
+                    bad(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}")
+                if not -100.0 <= bias <= 100.0:  # also rejects NaN
+                    bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
+
+    def token_ids_out_of_range(self, vocab_size: int) -> list[tuple[str, int]]:
+        """(field, id) for every token id these params carry that is not below ``vocab_size``."""
+        bad = [("stop_token_ids", t) for t in self.stop_token_ids or [] if t >= vocab_size]
+        bad += [("logit_bias", t) for t in self.logit_bias or {} if t >= vocab_size]
+        return bad
 
     @property
     def greedy(self) -> bool:

@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
 from hasten.config import EngineConfig
-from hasten.engine.engine import EngineStats, LLMEngine, QueueFullError
+from hasten.engine.engine import LLMEngine
+from hasten.engine.stats import EngineStats, QueueFullError, RequestFailedError
 from hasten.outputs import RequestOutput
 from hasten.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "QueueFullError", "EngineStats"]
+__all__ = ["AsyncLLM", "QueueFullError", "EngineStats", "RequestFailedError"]
 
 _STOP = object()
 
@@ -37,6 +38,7 @@ class AsyncLLM:
         self._stats = engine.get_stats()
         self.step_count = 0
         self.errored: BaseException | None = None
+        self.progress_at = time.monotonic()  # when the engine thread last finished a step or went idle
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> AsyncLLM:
@@ -62,6 +64,11 @@ class AsyncLLM:
     def get_stats(self) -> EngineStats:
         """A snapshot refreshed by the engine thread after every step (safe to read anywhere)."""
         return self._stats
+
+    @property
+    def num_pending(self) -> int:
+        """Requests in flight (their streams are open)."""
+        return len(self._streams)
 
     @property
     def is_running(self) -> bool:
@@ -111,6 +118,8 @@ class AsyncLLM:
         text = prompt if isinstance(prompt, str) else None
         stream: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
+        if not self._streams:
+            self.progress_at = time.monotonic()  # idle until now: the watchdog counts from here
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, ids, text, params, priority, cache_salt, time.time(), added))
         finished = False
@@ -121,6 +130,8 @@ class AsyncLLM:
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
                 yield out
                 if finished:
                     return
@@ -178,6 +189,7 @@ class AsyncLLM:
                     if outs:
                         loop.call_soon_threadsafe(self._deliver, outs)
                 self._stats = engine.get_stats()
+                self.progress_at = time.monotonic()
         except BaseException as e:  # a bug in the engine: fail every stream instead of hanging
             logger.exception("engine loop died")
             self.errored = e

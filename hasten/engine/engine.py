@@ -39,6 +39,7 @@ class _Group:
     emitted_tokens: list[int]
     emitted_logprobs: list[int]
     finished_reported: bool = False
+    error: str | None = None  # why the engine failed this request alone (it is then finished)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -167,6 +168,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        for name, tok in params.token_ids_out_of_range(vocab):
+            raise ValueError(f"{name}: token id {tok} is out of range (vocabulary size {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}")
@@ -222,33 +225,84 @@ class LLMEngine:
             # draft tokens count as computed only once verified
             req.num_computed_tokens += n - len(req.spec_token_ids)
             self.kv.cache_computed_blocks(req)
+        touched: set[str] = set()
         for rid, (first_pos, logits) in result.prompt_logits.items():
             req = next(r for r in batch.requests if r.request_id == rid)
-            k = req.params.prompt_logprobs or 0
-            nxt = [req.token_at(p + 1) for p in range(first_pos, first_pos + logits.shape[0])]
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None]
-            req.prompt_logprobs.extend(prompt_logprobs_for(logits, nxt, k))
-        touched: set[str] = set()
+            self._isolated(req, touched, self._add_prompt_logprobs, req, first_pos, logits)
         plain, plain_rows, offset = [], [], 0
         for req, rows in zip(result.sample_requests, result.num_rows, strict=True):
-            if rows == 1:
+            if req.is_finished:
+                pass
+            elif rows == 1:
                 plain.append(req)
                 plain_rows.append(offset)
             else:
-                self._verify(req, result.logits[offset : offset + rows], now)
-                touched.add(req.parent_id or req.request_id)
+                self._isolated(req, touched, self._verify, req, result.logits[offset : offset + rows], now)
             offset += rows
         if plain:
             logits = result.logits if len(plain_rows) == offset else result.logits[torch.tensor(plain_rows)]
-            tokens, lps = self.sampler.sample(logits, plain)
-            for req, tok, lp in zip(plain, tokens, lps, strict=True):
-                self._append_token(req, tok, lp, now)
-                touched.add(req.parent_id or req.request_id)
+            for req, tok, lp in zip(plain, *self._sample(logits, plain, touched), strict=True):
+                if tok is not None and not req.is_finished:
+                    self._isolated(req, touched, self._append_token, req, tok, lp, now)
         if self.proposer is not None:
             self.depth.record_step(batch.total_tokens, time.perf_counter() - t0)
             self._propose()
         return self._collect_outputs(touched)
+
+    # ------------------------------------------------------------ per-request failure isolation
+
+    def _isolated(self, req: Request, touched: set[str], fn, *args) -> None:
+        """Run one request's part of the step; an exception fails that request alone."""
+        touched.add(req.parent_id or req.request_id)
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._fail_request(req, exc)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], touched: set[str]):
+        """The batched sampler; if it raises, each row again on its own, so that only the rows that
+        fail again lose their request (their token is None)."""
+        try:
+            return self.sampler.sample(logits, reqs)
+        except Exception:
+            logger.warning("batched sampling failed; sampling the %d rows one by one", len(reqs))
+        tokens: list[int | None] = []
+        lps: list = []
+        for i, req in enumerate(reqs):
+            try:
+                tok, lp = self.sampler.sample(logits[i : i + 1], [req])
+            except Exception as exc:
+                touched.add(req.parent_id or req.request_id)
+                self._fail_request(req, exc)
+                tok, lp = [None], [None]
+            tokens.extend(tok)
+            lps.extend(lp)
+        return tokens, lps
+
+    def _fail_request(self, req: Request, exc: BaseException) -> None:
+        """End the user request that ``req`` belongs to (all its sequences) with an error."""
+        rid = req.parent_id or req.request_id
+        logger.error("request %s failed in the engine; the step goes on for the others", rid,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        group = self.seq_to_group.get(req.request_id) or self.groups.get(rid)
+        seqs = group.seqs if group is not None else [req]
+        if group is not None and group.error is None:
+            group.error = f"{type(exc).__name__}: {exc}"
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq, "error")
+                if self.proposer is not None:
+                    self.proposer.release(seq.request_id)
+
+    def _add_prompt_logprobs(self, req: Request, first_pos: int, logits: torch.Tensor) -> None:
+        k = req.params.prompt_logprobs or 0
+        nxt = [req.token_at(p + 1) for p in range(first_pos, first_pos + logits.shape[0])]
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        req.prompt_logprobs.extend(prompt_logprobs_for(logits, nxt, k))
+
+    # ------------------------------------------------------------ speculative decoding
 
     def _verify(self, req: Request, rows: torch.Tensor, now: float) -> None:
         drafts = req.spec_token_ids
@@ -332,7 +386,11 @@ class LLMEngine:
             group = self.groups.get(rid)
             if group is None:
                 continue
-            out = self._make_output(group)
+            try:
+                out = self._make_output(group)
+            except Exception as exc:  # e.g. the detokenizer: this request alone fails
+                self._fail_request(group.seqs[0], exc)
+                out = RequestOutput(rid, group.prompt, group.prompt_token_ids, [], True, error=group.error)
             if out.finished:
                 self.groups.pop(rid, None)
                 for req in group.seqs:
@@ -378,6 +436,7 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs,
             metrics=first.metrics,
             num_cached_tokens=first.metrics.num_cached_tokens,
+            error=group.error,
         )
 
     # ------------------------------------------------------------ introspection

@@ -43,8 +43,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt (or a single one for all)")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        except BaseException:  # an invalid prompt: none of this call's requests stay queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids)
 
     def chat(

@@ -1,6 +1,6 @@
 """Turn a batch of logits rows into next tokens, one row per sequence being sampled.
 
-Order of processing (as in vLLM): logits processors (e.g. JSON grammar) -> min_tokens ->
+Order of processing (as in vLLM): logits processors (e.g. JSON grammar) -> logit_bias -> min_tokens ->
 penalties -> greedy argmax or temperature / top-k / top-p / min-p sampling. Logprobs
 are those of the raw model distribution (before any processing).
 """
@@ -76,12 +76,15 @@ class Sampler:
         """Logits processors, min_tokens and penalties, on a copy (the input itself when no row needs
         any of them: it is only read afterwards). Each row's context is its request's outputs."""
         if not any(r.params.logits_processors or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
-                   for r in reqs):
+                   or r.params.logit_bias for r in reqs):
             return logits
         logits = logits.clone()
         for i, r in enumerate(reqs):
             for proc in r.params.logits_processors:
                 proc(r.output_token_ids, logits[i])
+            if r.params.logit_bias:
+                bias = r.params.logit_bias
+                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
             if r.num_output_tokens < r.params.min_tokens:
                 banned = list(r.params.stop_token_ids or [])
                 if not r.params.ignore_eos:

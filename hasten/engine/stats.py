@@ -23,3 +23,8 @@ class EngineStats:
 
 class QueueFullError(RuntimeError):
     """The waiting queue is over its limit (the server answers 429)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while handling this request's rows; the request alone ended (the server
+    answers 500 or ends the stream with an error event). Other requests carry on."""

@@ -28,6 +28,7 @@ from hasten.server.completions import create_completion
 from hasten.server.errors import RETRY_AFTER_SECONDS, APIError, install_error_handlers
 from hasten.server.metrics import CONTENT_TYPE, ServerMetrics
 from hasten.server.serving import Serving
+from hasten.server.supervisor import EngineSupervisor, SupervisionConfig
 from hasten.server.tracing import RequestIdMiddleware
 
 logger = logging.getLogger("hasten.server")
@@ -54,6 +55,9 @@ class ServerState:
     ready: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     startup_seconds: float | None = None
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    supervisor: EngineSupervisor | None = None
+    down_reason: str | None = None  # set while a failed engine is being replaced
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,10 +89,39 @@ class ServerState:
             logger.exception("engine failed to load")
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
+            return
+        self.supervisor = EngineSupervisor(self.supervision, engine, self._build_engine, self._install,
+                                           self._engine_down, self._give_up, self.metrics.engine_restarts.inc)
+        self.supervisor.start()
+
+    async def _build_engine(self) -> Any:
+        engine = await asyncio.to_thread(self.engine_factory)
+        await engine.start()
+        return engine
+
+    def _install(self, engine: Any) -> None:
+        self.engine = engine
+        if self.serving is not None:
+            self.serving.engine = engine
+        self.down_reason = None
+        self.ready = True
+
+    def _engine_down(self, reason: str) -> None:
+        self.ready = False
+        self.down_reason = reason
+
+    def _give_up(self, message: str) -> None:
+        if self.on_load_failure is not None:
+            self.on_load_failure(RuntimeError(message))
+
+    def healthy(self) -> bool:
+        return self.ready and (self.supervisor is None or self.supervisor.healthy)
 
     def require(self) -> Serving:
         if not self.ready or self.serving is None:
-            raise APIError(503, "The model is still loading.", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            message = ("The engine failed and is being restarted." if self.down_reason is not None
+                       else "The model is still loading.")
+            raise APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return self.serving
 
 
@@ -101,8 +134,11 @@ def _json(body: Any) -> Response:
 
 
 def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None = None,
-              on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_load_failure: Callable[[BaseException], None] | None = None,
+              supervision: SupervisionConfig | None = None) -> FastAPI:
     state = ServerState(engine_factory, served_names, on_load_failure)
+    if supervision is not None:
+        state.supervision = supervision
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,6 +147,8 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
         state.ready = False
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        if state.supervisor is not None:
+            await state.supervisor.stop()
         if state.engine is not None:
             logger.info("shutting down the engine")
             await state.engine.shutdown()
@@ -125,7 +163,10 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
     async def health() -> Response:
         state.require()
         if getattr(state.engine, "errored", None) is not None:
-            raise APIError(503, f"The engine failed: {state.engine.errored}")
+            raise APIError(503, f"The engine failed: {(str(state.engine.errored).strip().splitlines() or ['?'])[-1]}")
+        if not state.healthy():
+            raise APIError(503, "The engine has requests in flight but has not finished a step for "
+                                f"{state.supervision.watchdog_s:g}s.", code="engine_stalled")
         return _json({"status": "ok"})
 
     @app.get("/v1/models", responses={200: {"model": P.ModelList}, 503: _ERRORS[503]})

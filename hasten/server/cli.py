@@ -84,6 +84,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--engine-factory", default=None,
                    help="MODULE:CALLABLE(model, **options) building the engine; overrides --engine-mode "
                         "(for tests and experiments)")
+    sup = p.add_argument_group("engine supervision (docs/server.md)")
+    sup.add_argument("--max-engine-restarts", type=int, default=5,
+                     help="automatic restarts of a failed engine allowed within --engine-restart-window; "
+                          "one more failure and the server exits with status 1 (default 5)")
+    sup.add_argument("--engine-restart-window", type=float, default=300.0, metavar="SECONDS",
+                     help="window for --max-engine-restarts (default 300)")
+    sup.add_argument("--engine-watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="requests in flight and no engine step for this long: /health answers 503 (default 60)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -154,7 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         failed.append(exc)
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own handler then shuts down cleanly
 
-    app = build_app(build_engine, args.served_model_name, on_load_failure)
+    from hasten.server.supervisor import SupervisionConfig
+
+    try:
+        supervision = SupervisionConfig(max_restarts=args.max_engine_restarts,
+                                        restart_window_s=args.engine_restart_window,
+                                        watchdog_s=args.engine_watchdog_timeout)
+    except ValueError as exc:
+        raise SystemExit(f"hasten serve: {exc}") from None
+    app = build_app(build_engine, args.served_model_name, on_load_failure, supervision=supervision)
     loop, http = _fast_loop_and_http()
     config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, http=http,
                             log_level=args.log_level, access_log=args.access_log, lifespan="on",
@@ -163,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("listening on http://%s:%d (loop=%s, http=%s)", args.host, args.port, loop, http)
     server.run()
     if failed:
-        logger.error("exiting: the engine failed to load (%s)", failed[0])
+        logger.error("exiting: the engine failed (%s)", failed[0])
         return 1
     logger.info("server stopped")
     return 0

@@ -25,16 +25,19 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import astuple
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hasten.engine.stats import EngineStats, QueueFullError
+from hasten.engine.stats import EngineStats, QueueFullError, RequestFailedError
 from hasten.outputs import CompletionOutput, RequestOutput
 from hasten.sampling_params import SamplingParams
 
 logger = logging.getLogger("hasten.server.engine")
+
+_HEARTBEAT_S = 1.0  # a busy engine process sends a step message at least this often
 
 
 # ---------------------------------------------------------------------------------- child process
@@ -47,7 +50,7 @@ def _compact(out: RequestOutput, first: bool) -> tuple:
         comps.append((c.index, c.delta_text, c.delta_token_ids, c.delta_logprobs, c.cumulative_logprob,
                       c.finish_reason, c.stop_reason, full))
     return (out.request_id, out.finished, comps, out.num_cached_tokens,
-            out.prompt_logprobs if first else None, out.metrics if out.finished else None)
+            out.prompt_logprobs if first else None, out.metrics if out.finished else None, out.error)
 
 
 def _child_main(conn: Connection) -> None:
@@ -77,9 +80,9 @@ def _child_main(conn: Connection) -> None:
         if cmd[0] == "stop":
             return False
         if cmd[0] == "add":
-            _, rid, ids, params, priority, arrival = cmd
+            _, rid, ids, params, priority, arrival, cache_salt = cmd
             try:
-                engine.add_request(rid, ids, params, priority, None, arrival)
+                engine.add_request(rid, ids, params, priority, cache_salt, arrival)
             except Exception as exc:  # invalid for this request only
                 kind = "queue_full" if type(exc).__name__ == "QueueFullError" else (
                     "value" if isinstance(exc, ValueError) else "other")
@@ -90,6 +93,7 @@ def _child_main(conn: Connection) -> None:
         return True
 
     last_stats = None
+    last_sent = 0.0
     while True:
         busy = engine.has_unfinished_requests()
         try:
@@ -101,7 +105,12 @@ def _child_main(conn: Connection) -> None:
                         break
         except (EOFError, OSError):
             return  # the server is gone
-        outs = engine.step() if engine.has_unfinished_requests() else []
+        try:
+            outs = engine.step() if engine.has_unfinished_requests() else []
+        except Exception:  # the step itself failed (not one request's rows): the server restarts us
+            logger.exception("engine step failed")
+            conn.send(("fatal", traceback.format_exc(limit=20)))
+            sys.exit(1)
         msgs = []
         for out in outs:
             first = out.request_id not in seen
@@ -111,9 +120,13 @@ def _child_main(conn: Connection) -> None:
                 seen.discard(out.request_id)
         s = engine.get_stats()
         stats = astuple(s)  # every field, speculative-decoding counters included
-        if msgs or stats != last_stats:
+        now = time.monotonic()
+        # a busy engine reports at least once a second even when nothing changed: the server's step
+        # watchdog reads silence with requests in flight as a stalled engine
+        if msgs or stats != last_stats or (busy and now - last_sent >= _HEARTBEAT_S):
             conn.send(("step", msgs, stats))
             last_stats = stats
+            last_sent = now
 
 
 # ---------------------------------------------------------------------------------- parent side
@@ -167,7 +180,7 @@ class _Stream:
         self.prompt_logprobs: Any = None
 
     def apply(self, msg: tuple) -> RequestOutput:
-        rid, finished, comps, cached, prompt_logprobs, metrics = msg
+        rid, finished, comps, cached, prompt_logprobs, metrics, error = msg
         if prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs
         outs = []
@@ -189,7 +202,8 @@ class _Stream:
                                                                c.finish_reason, c.stop_reason)
                      for c in self.comps]
         return RequestOutput(rid, self.prompt, self.prompt_ids, full_list, finished,
-                             prompt_logprobs=self.prompt_logprobs, metrics=metrics, num_cached_tokens=cached)
+                             prompt_logprobs=self.prompt_logprobs, metrics=metrics, num_cached_tokens=cached,
+                             error=error)
 
 
 class ProcessEngine:
@@ -208,6 +222,7 @@ class ProcessEngine:
         self._stats = EngineStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.errored: str | None = None
+        self.progress_at = time.monotonic()  # when the engine last reported a step (or went idle)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> ProcessEngine:
@@ -263,8 +278,20 @@ class ProcessEngine:
         if self._transport is not None:
             self._transport.close()
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def num_pending(self) -> int:
+        """Requests in flight (their streams are open)."""
+        return len(self._streams)
+
     def _on_message(self, msg: tuple) -> None:
-        if msg[0] == "step":
+        self.progress_at = time.monotonic()
+        if msg[0] == "fatal":
+            self._fail(f"the engine step failed:\n{msg[1]}")
+        elif msg[0] == "step":
             self._stats = EngineStats(*msg[2])
             for out in msg[1]:
                 stream = self._streams.get(out[0])
@@ -290,7 +317,7 @@ class ProcessEngine:
             stream.queue.put_nowait(RuntimeError(reason))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.errored is not None:
             raise RuntimeError(self.errored)
         if self._transport is None:
@@ -299,15 +326,19 @@ class ProcessEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         stream = _Stream(prompt if isinstance(prompt, str) else None, ids, params.n)
+        if not self._streams:
+            self.progress_at = time.monotonic()  # idle until now: the watchdog counts from here
         self._streams[request_id] = stream
         finished = False
         try:
-            self._send(("add", request_id, ids, params, priority, time.time()))
+            self._send(("add", request_id, ids, params, priority, time.time(), cache_salt))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return

@@ -65,6 +65,14 @@ def check_context(prompt_len: int, max_tokens: int, max_model_len: int, what: st
 def make_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
     """Map the OpenAI fields onto SamplingParams (which validates itself: ValueError -> 400)."""
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
     kwargs: dict[str, Any] = dict(
         n=req.n,
         max_tokens=max_tokens,
@@ -80,6 +88,7 @@ def make_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None,
         skip_special_tokens=req.skip_special_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=bias,
     )
     for name in ("temperature", "top_p", "top_k", "min_p"):
         value = getattr(req, name)
@@ -119,6 +128,7 @@ class Generation:
     plan: Plan
     metrics: ServerMetrics
     priority: int = 0
+    cache_salt: str | None = None
     last: list[RequestOutput | None] = field(default_factory=list)
     client_gone: bool = False
     failed: bool = False
@@ -131,7 +141,8 @@ class Generation:
         return self.plan.request_id
 
     def _open(self, sub: SubRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(sub.prompt_ids, sub.params, sub.engine_id, priority=self.priority)
+        return self.engine.generate(sub.prompt_ids, sub.params, sub.engine_id, priority=self.priority,
+                                    cache_salt=self.cache_salt)
 
     async def stream(self) -> AsyncIterator[tuple[SubRequest, RequestOutput]]:
         try:
@@ -146,8 +157,10 @@ class Generation:
                 async for idx, out in self._merged():
                     self.last[idx] = out
                     yield self.plan.subs[idx], out
-        except Exception:
+        except Exception as exc:
             self.failed = True
+            if type(exc).__name__ == "RequestFailedError":
+                self.metrics.engine_request_failures.labels(self.metrics.model_name()).inc()
             raise
         finally:
             await self._finish()

@@ -113,7 +113,15 @@ class ServerMetrics:
                                          registry=r)
         self.request_success = Counter("hasten:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)
+        self.engine_restarts = Counter("hasten:engine_restarts", "Automatic restarts of a failed engine.",
+                                       registry=r)
+        self.engine_request_failures = Counter(
+            "hasten:engine_request_failures", "Requests the engine failed alone (the step went on for the rest).",
+            label, registry=r)
         r.register(EngineStatsCollector(get_engine, model_name))
+
+    def model_name(self) -> str:
+        return self._model_name()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,6 +18,7 @@ INT64_MAX = 2**63 - 1
 MAX_N = 16
 MAX_STOP = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -58,7 +59,7 @@ class SamplingFields(_Body):
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="-1 or 0 disables.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, max_length=MAX_STOP)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -73,6 +74,12 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS,
+        description="Token id (as a string) -> value added to its logit before sampling, in [-100, 100].")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="Requests share cached prompt prefixes only with requests of the same salt (vLLM).")
 
 
 class CompletionRequest(SamplingFields):

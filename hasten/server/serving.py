@@ -107,10 +107,12 @@ class Serving:
     async def run(self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams,
                   req: SamplingFields, build_response: Callable[[list[RequestOutput], Plan], dict[str, Any]],
                   streamer: Callable[[Plan], Streamer]) -> Response:
+        for name, tok in params.token_ids_out_of_range(self.vocab_limit):
+            raise APIError(400, f"token id {tok} is out of range (vocabulary size {self.vocab_limit})", param=name)
         factory = await self.processor_factory(req)
         engine_id = self.unique_id(request_id)
         plan = build_plan(engine_id, prompts, params, factory)
-        gen = Generation(self.engine, plan, self.metrics, priority=req.priority)
+        gen = Generation(self.engine, plan, self.metrics, priority=req.priority, cache_salt=req.cache_salt)
         logger.info("start: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s",
                     len(prompts), sum(plan.prompt_lens), params.n, params.max_tokens, req.stream)
         self._in_flight.add(engine_id)

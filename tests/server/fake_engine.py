@@ -109,6 +109,7 @@ class FakeAsyncLLM:
         self.aborted: list[str] = []
         self.seen_params: list[SamplingParams] = []
         self.seen_priorities: list[int] = []
+        self.seen_salts: list[str | None] = []
         self.paused = False  # tests set it to freeze the queues: the loop then runs no steps
 
     @classmethod
@@ -143,7 +144,8 @@ class FakeAsyncLLM:
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.seen_salts.append(cache_salt)
         return self._generate(prompt, params, request_id, priority)
 
     async def _generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,

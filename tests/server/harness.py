@@ -18,8 +18,9 @@ class ServerThread:
     """`with ServerThread(lambda: engine) as srv:` -> srv.url is http://127.0.0.1:PORT."""
 
     def __init__(self, engine_factory: Callable[[], Any], served_names: list[str] | None = None,
-                 wait_ready: bool = True) -> None:
-        self.app = build_app(engine_factory, served_names)
+                 wait_ready: bool = True, supervision: Any = None) -> None:
+        self.failures: list[BaseException] = []  # what the app reported as fatal (load failure, give-up)
+        self.app = build_app(engine_factory, served_names, self.failures.append, supervision=supervision)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

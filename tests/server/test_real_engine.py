@@ -183,6 +183,41 @@ def test_queue_full_is_429(tiny_model: Path, mode: str) -> None:
     assert results == [200, 200]
 
 
+def test_hostile_ids_salt_bias_and_stop(real: ServerThread) -> None:
+    """The request that once killed the engine is a 400; cache_salt separates prefix caches;
+    logit_bias is honoured; a single stop string of any length is accepted."""
+    with real.client() as c:
+        vocab = len(real.engine.tokenizer)
+        poison = {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [vocab]}
+        r = c.post("/v1/completions", json=poison)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "logit_bias": {str(vocab + 3): 5}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "logit_bias": {"x": 5}})
+        assert r.status_code == 400, r.text
+        assert c.get("/health").status_code == 200
+        body = {"prompt": "hi there", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "logit_bias": {"42": 100}}
+        r = c.post("/v1/completions", json={**body, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        expected = real.engine.tokenizer.decode([42] * 5)
+        assert r.json()["choices"][0]["text"] == expected
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stop": "a stop string longer than 16"})
+        assert r.status_code == 200, r.text
+        long_prompt = "The quick brown fox jumps over the lazy dog. " * 4
+
+        def cached(salt: str | None) -> int:
+            req = {"prompt": long_prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+            resp = c.post("/v1/completions", json=req)
+            assert resp.status_code == 200, resp.text
+            return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        cached("tenant-a")
+        assert cached("tenant-a") > 0
+        assert cached("tenant-b") == 0
+        assert cached(None) == 0
+
+
 def test_engine_process_death_is_reported(tiny_model: Path) -> None:
     with ServerThread(lambda: _process_engine(str(tiny_model), **OPTIONS)) as srv, srv.client() as c:
         assert c.get("/health").status_code == 200
@@ -192,4 +227,4 @@ def test_engine_process_death_is_reported(tiny_model: Path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+        assert r.status_code in (500, 503), r.text  # failed engine, then restarting: never a hang

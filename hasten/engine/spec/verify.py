@@ -49,7 +49,8 @@ def verify(
     """Returns (tokens to append, their logprobs, number of drafts accepted)."""
     k = len(drafts)
     views = _contexts(req, drafts)
-    simple = not req.params.logits_processors and not req.params.needs_penalties and req.params.min_tokens == 0
+    simple = (not req.params.logits_processors and not req.params.needs_penalties and req.params.min_tokens == 0
+              and not req.params.logit_bias)
     processed = rows if simple else sampler.process(rows, views)
     out: list[int] = []
     if req.params.greedy:

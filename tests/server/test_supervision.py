@@ -1,0 +1,162 @@
+"""Engine supervision on the real engine (tiny random llama): a killed or failed engine ends every
+in-flight request with an error at once, /health turns 503, the engine is restarted and serves
+again; too many failures in the window give up; a stalled engine is reported unhealthy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hasten.engine.async_engine import AsyncLLM
+from hasten.server.engine_process import ProcessEngine
+from hasten.server.supervisor import SupervisionConfig
+from hasten.testing import make_tiny_model
+
+from .harness import ServerThread
+
+OPTIONS = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64, num_threads=1)
+LONG = {"prompt": "tell me a story", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama")
+
+
+def _wait(cond, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def _stream_until_error(url: str, started: threading.Event, ended: list[tuple[float, str]]) -> None:
+    """Stream one long completion; record when and how it ended."""
+    with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions",
+                                                             json={**LONG, "stream": True}) as r:
+        kind = f"status {r.status_code}"
+        try:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"choices"' in line:
+                    started.set()
+                if '"error"' in line:
+                    kind = "error event"
+                if line == "data: [DONE]":
+                    break
+        except httpx.HTTPError as exc:
+            kind = f"transport error {type(exc).__name__}"
+    ended.append((time.monotonic(), kind))
+
+
+def _metric(c: httpx.Client, name: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_kill_9_under_load_restarts_the_engine(tiny_model: Path) -> None:
+    factory = lambda: ProcessEngine.from_options(str(tiny_model), **OPTIONS)  # noqa: E731
+    with ServerThread(factory) as srv, srv.client() as c:
+        first_pid = srv.engine.pid
+        started = [threading.Event() for _ in range(4)]
+        ended: list[tuple[float, str]] = []
+        threads = [threading.Thread(target=_stream_until_error, args=(srv.url, ev, ended)) for ev in started]
+        for t in threads:
+            t.start()
+        for ev in started:
+            assert ev.wait(60), "streams did not start"
+        killed_at = time.monotonic()
+        os.kill(first_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert len(ended) == 4
+        assert all(kind == "error event" for _, kind in ended), ended
+        assert max(t for t, _ in ended) - killed_at < 1.0, "in-flight requests took over 1 s to fail"
+        # 503 at once, then the restarted engine serves again
+        assert c.get("/health").status_code == 503
+        _wait(lambda: c.get("/health").status_code == 200, 120, "the restarted engine")
+        assert srv.engine.pid != first_pid
+        rs = [c.post("/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 4}) for i in range(5)]
+        assert [r.status_code for r in rs] == [200] * 5
+        assert _metric(c, "hasten:engine_restarts_total") == 1.0
+        stats = srv.engine.get_stats()
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
+        assert srv.failures == []
+
+
+def test_step_failure_in_thread_mode_restarts(tiny_model: Path) -> None:
+    broken = {"armed": True}
+
+    def factory() -> AsyncLLM:
+        llm = AsyncLLM.from_options(str(tiny_model), **OPTIONS)
+        real_step = llm.engine.step
+
+        def step():  # the first engine built fails its first real step, as an engine bug would
+            if broken["armed"] and llm.engine.has_unfinished_requests() and llm.step_count > 0:
+                broken["armed"] = False
+                raise RuntimeError("simulated bug in the step")
+            return real_step()
+
+        llm.engine.step = step  # type: ignore[method-assign]
+        return llm
+
+    with ServerThread(factory) as srv, srv.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+        assert r.status_code == 500, r.text
+        _wait(lambda: c.get("/health").status_code == 200 and srv.state.supervisor.restarts == 1, 60,
+              "the restart")
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+
+
+def test_gives_up_after_too_many_failures(tiny_model: Path) -> None:
+    factory = lambda: ProcessEngine.from_options(str(tiny_model), **OPTIONS)  # noqa: E731
+    sup = SupervisionConfig(max_restarts=1, restart_window_s=600)
+    with ServerThread(factory, supervision=sup) as srv, srv.client() as c:
+        os.kill(srv.engine.pid, signal.SIGKILL)
+        _wait(lambda: srv.state.supervisor.restarts == 1 and c.get("/health").status_code == 200, 120, "restart")
+        assert srv.failures == []
+        os.kill(srv.engine.pid, signal.SIGKILL)
+        _wait(lambda: bool(srv.failures), 30, "giving up")
+        assert "giving up" in str(srv.failures[0])
+        assert c.get("/health").status_code == 503
+
+
+def test_stalled_engine_is_unhealthy(tiny_model: Path) -> None:
+    stall = threading.Event()
+
+    def factory() -> AsyncLLM:
+        llm = AsyncLLM.from_options(str(tiny_model), **OPTIONS)
+        real_step = llm.engine.step
+
+        def step():
+            while stall.is_set():  # a step that does not finish
+                time.sleep(0.01)
+            return real_step()
+
+        llm.engine.step = step  # type: ignore[method-assign]
+        return llm
+
+    sup = SupervisionConfig(watchdog_s=0.5)
+    with ServerThread(factory, supervision=sup) as srv, srv.client() as c:
+        assert c.get("/health").status_code == 200
+        stall.set()
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(
+            httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60).status_code))
+        t.start()
+        _wait(lambda: c.get("/health").status_code == 503, 10, "the watchdog")
+        assert c.get("/health").json()["error"]["code"] == "engine_stalled"
+        stall.clear()
+        t.join(30)
+        assert result == [200]
+        _wait(lambda: c.get("/health").status_code == 200, 10, "healthy again")
