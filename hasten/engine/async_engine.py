@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from hasten.config import EngineConfig
 from hasten.engine.engine import LLMEngine
-from hasten.engine.stats import EngineStats, QueueFullError, RequestFailedError
+from hasten.engine.stats import EngineStats, EngineUnavailableError, QueueFullError, RequestFailedError
 from hasten.outputs import RequestOutput
 from hasten.sampling_params import SamplingParams
 
@@ -113,7 +113,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
-            raise RuntimeError("the engine is not running")
+            raise EngineUnavailableError("the engine is not running")
         ids = self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         text = prompt if isinstance(prompt, str) else None
         stream: asyncio.Queue = asyncio.Queue()

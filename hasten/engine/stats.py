@@ -25,6 +25,11 @@ class QueueFullError(RuntimeError):
     """The waiting queue is over its limit (the server answers 429)."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine has failed (or is not running) and cannot take a new request; the server answers 503
+    while it is being restarted. Requests that were already in flight fail with a plain error (500)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed while handling this request's rows; the request alone ended (the server
     answers 500 or ends the stream with an error event). Other requests carry on."""

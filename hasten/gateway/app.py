@@ -1,10 +1,16 @@
 """HTTP/1.1 frontend on raw asyncio protocols (the default, lowest-latency transport).
 
-One protocol object per client connection parses requests (keep-alive, pipelining,
-``Content-Length`` or chunked bodies), runs the gateway pipeline in a task, and writes
-the response. Streams are piped: every upstream chunk is written to this socket from the
-upstream socket's ``data_received`` (TCP_NODELAY on both), never buffered. Client
-back-pressure pauses reading from the backend.
+One protocol object per client connection parses requests with llhttp (keep-alive,
+pipelining, ``Content-Length`` or chunked bodies; see :mod:`hasten.gateway.h1`), runs the
+gateway pipeline in a task, and writes the response. Streams are piped: every upstream chunk
+is written to this socket from the upstream socket's ``data_received`` (TCP_NODELAY on both),
+never buffered. Client back-pressure pauses reading from the backend.
+
+Slow clients are bounded by three read timeouts (``timeouts:`` in the config), enforced by one
+periodic sweep over the open connections rather than a timer per request: the request head
+must be complete ``header_read_s`` after its first byte, the body ``body_read_s`` after the
+head (both answered 408 and closed), and a connection waiting for its next request is closed
+after ``keep_alive_s``.
 """
 
 from __future__ import annotations
@@ -13,14 +19,18 @@ import asyncio
 import logging
 import time
 
+from hasten.gateway.config import TimeoutConfig
 from hasten.gateway.core import Gateway
 from hasten.gateway.h1 import (
+    BODY,
+    CLOSING,
+    HEAD,
+    IDLE,
     LAST_CHUNK,
     MAX_HEAD,
-    ChunkedDecoder,
     ProtocolError,
-    keep_alive,
-    parse_request_head,
+    Request,
+    RequestReader,
     response_head,
 )
 from hasten.gateway.pipeline import GatewayError, GatewayResponse, RequestContext, error_body, new_request_id
@@ -29,14 +39,21 @@ from hasten.gateway.upstream import set_nodelay
 
 log = logging.getLogger("hasten.gateway")
 
+_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large",
+          431: "request_header_fields_too_large", 500: "internal_error", 501: "not_implemented",
+          505: "http_version_not_supported"}
+_LINGER_S = 2.0  # after an error answer: how long the client may take to read it before an abort
 
-class ClientConnection(asyncio.Protocol):
+
+class ClientConnection(RequestReader, asyncio.Protocol):
     def __init__(self, gateway: Gateway, connections: set[ClientConnection]) -> None:
         self.gateway = gateway
         self.connections = connections
         self.transport: asyncio.Transport | None = None
-        self._buf = b""
+        self._init_requests(gateway.config.max_body_bytes)
+        self._buf = b""  # bytes not parsed yet (they arrived while a request was being answered)
         self._busy = False
+        self._stopped = False  # no further request is read on this connection
         self._closed = False
         self._received_at = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -57,9 +74,11 @@ class ClientConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self._peer = peer[0] if peer else None
         self.connections.add(self)
+        self.phase_at = time.perf_counter()  # idle until the first byte of a request
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._stop()
         self.connections.discard(self)
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -75,13 +94,20 @@ class ClientConnection(asyncio.Protocol):
             self._ctx = None
 
     def data_received(self, data: bytes) -> None:
-        self._received_at = time.perf_counter()
-        self._buf = self._buf + data if self._buf else data
-        if self._busy:
-            if len(self._buf) > self.gateway.config.max_body_bytes + MAX_HEAD and self.transport is not None:
+        self._received_at = self._now = time.perf_counter()
+        if self._stopped:
+            return
+        if self._busy or self._buf or self.requests:  # parsed in order, once the current request is answered
+            self._buf = self._buf + data if self._buf else data
+            if len(self._buf) > self._max_body + MAX_HEAD and self.transport is not None:
                 self.transport.pause_reading()
             return
-        self._process()
+        err = self._feed(data)
+        if err is not None:
+            self.requests.append(err)
+            self._stopped = True
+        if self.requests:
+            self._process()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -95,66 +121,70 @@ class ClientConnection(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
-    # -- request parsing -----------------------------------------------------------------
+    # -- requests, in order ----------------------------------------------------------------
 
     def _process(self) -> None:
-        while not self._busy and self._buf and not self._closed:
+        """Answer the parsed requests one at a time; parse held bytes once the queue is empty."""
+        requests = self.requests
+        while not self._busy and not self._closed:
+            if requests:
+                item = requests.popleft()
+                if isinstance(item, ProtocolError):
+                    self._fatal(item.status, str(item))
+                    return
+                self._busy = True
+                self._dispatch(item)
+                continue
             buf = self._buf
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD:
-                    self._fatal(431, "request head too large")
-                return
-            try:
-                method, target, version, headers = parse_request_head(buf[:end])
-            except ProtocolError as exc:
-                self._fatal(400, str(exc))
-                return
-            start = end + 4
-            limit = self.gateway.config.max_body_bytes
-            te = headers.get("transfer-encoding")
-            if te is not None:
-                if te.lower() != "chunked":
-                    self._fatal(501, f"unsupported transfer-encoding {te!r}")
-                    return
-                dec = ChunkedDecoder()
-                try:
-                    parts = dec.feed(buf[start:])
-                except ProtocolError as exc:
-                    self._fatal(400, str(exc))
-                    return
-                if not dec.done:
-                    if len(buf) - start > limit:
-                        self._fatal(413, "request body too large")
-                    return
-                body, rest = b"".join(parts), dec.extra
-            else:
-                try:
-                    n = int(headers.get("content-length", "0"))
-                except ValueError:
-                    self._fatal(400, "bad content-length")
-                    return
-                if n > limit:
-                    self._fatal(413, "request body too large")
-                    return
-                if len(buf) - start < n:
-                    # the head is re-parsed when the body arrives; answer Expect once, before any body byte
-                    expect = headers.get("expect", "").lower() == "100-continue"
-                    if expect and len(buf) == start and self.transport is not None:
-                        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    return
-                body, rest = buf[start:start + n], buf[start + n:]
-            self._buf = rest
-            self._busy = True
-            self._dispatch(method, target, version, headers, body)
+            if not buf or self._stopped:
+                break
+            self._buf = b""
+            self._now = time.perf_counter()
+            err = self._feed(buf)
+            if err is not None:
+                requests.append(err)
+                self._stopped = True
+        if self.continue_owed and not self._busy and not requests and not self._body_size:
+            self.continue_owed = False
+            self._send_continue()
 
-    def _dispatch(self, method: str, target: str, version: str, headers: dict[str, str], body: bytes) -> None:
-        keep = keep_alive(version, headers)
+    def _send_continue(self) -> None:
+        if self.transport is not None and not self._stopped:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _stop(self) -> None:
+        self._stopped = True
+        self._buf = b""
+        self.requests.clear()
+        self._hold = None
+
+    def expire(self, now: float, timeouts: TimeoutConfig) -> None:
+        """Called by the periodic sweep: close the connection if its client is too slow."""
+        if self._busy or self._closed or self.transport is None:
+            return
+        age = now - self.phase_at
+        phase = self.phase
+        if phase == IDLE:
+            if age > timeouts.keep_alive_s and not self.requests:
+                self._stop()
+                self.transport.close()
+                self.phase, self.phase_at = CLOSING, now
+        elif phase == HEAD:
+            if age > timeouts.header_read_s:
+                self._fatal(408, f"request head not received within {timeouts.header_read_s:g}s")
+        elif phase == BODY:
+            if age > timeouts.body_read_s:
+                self._fatal(408, f"request body not received within {timeouts.body_read_s:g}s")
+        elif age > _LINGER_S:  # CLOSING: the client does not read what is left to send
+            self.transport.abort()
+
+    def _dispatch(self, req: Request) -> None:
+        method, target, headers, keep = req.method, req.target, req.headers, req.keep_alive
         rid = headers.get("x-request-id") or new_request_id()
         path = target.split("?", 1)[0]
         g = self.gateway
         if method == "POST" and path.startswith("/v1/") and path != "/v1/models":
-            ctx = RequestContext(method=method, path=target, headers=headers, body=body, request_id=rid,
+            ctx = RequestContext(method=method, path=target, headers=headers, body=req.body, request_id=rid,
                                  received_at=self._received_at, client=self._peer)
             self._ctx = ctx
             if g.fast_path:
@@ -182,8 +212,8 @@ class ClientConnection(asyncio.Protocol):
         # answered synchronously: _process's loop picks up any pipelined request (no recursion)
         self._busy = False
         if not keep and self.transport is not None:
+            self._stop()
             self.transport.close()
-            self._buf = b""
 
     # -- fast path: no task, no coroutine on the happy path ---------------------------------
 
@@ -328,22 +358,44 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is None or self._closed:
             return
         if not keep:
+            self._stop()
             self.transport.close()
             return
-        if self._buf:
+        self.phase_at = time.perf_counter()  # idle (or the next request's bytes are parsed now)
+        if self._buf or self.requests or self.continue_owed:
             self.transport.resume_reading()
             # pipelined requests: continue from a fresh callback, never re-entrantly from an upstream one
             asyncio.get_running_loop().call_soon(self._process)
 
     def _fatal(self, status: int, message: str) -> None:
-        if self.transport is None:
+        """Answer an unreadable request with an error and close: the rest of the input is ignored."""
+        self._stop()
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
-        body = error_body(message, "invalid_request_error", "bad_request")
-        self.transport.write(response_head(status, {"content-type": "application/json",
-                                                    "content-length": str(len(body)),
-                                                    "connection": "close"}) + body)
-        self.transport.close()
-        self._buf = b""
+        log.debug("client %s: %d %s", self._peer, status, message)
+        body = error_body(message, "invalid_request_error", _CODES.get(status, "bad_request"))
+        transport.write(response_head(status, {"content-type": "application/json",
+                                               "content-length": str(len(body)),
+                                               "connection": "close"}) + body)
+        # half-close: the client reads the answer before it sees the end (an immediate close with
+        # unread input would reset the connection); the sweep aborts it if it lingers
+        try:
+            transport.write_eof()
+        except (NotImplementedError, OSError, RuntimeError):
+            transport.close()
+        self.phase, self.phase_at = CLOSING, time.perf_counter()
+
+
+async def sweep(connections: set[ClientConnection], timeouts: TimeoutConfig) -> None:
+    """Enforce the client read timeouts: one pass over the connections every quarter of the
+    shortest timeout (at most every second), so a timeout fires at most that late."""
+    interval = min(1.0, timeouts.header_read_s / 4, timeouts.body_read_s / 4, timeouts.keep_alive_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        now = time.perf_counter()
+        for conn in list(connections):
+            conn.expire(now, timeouts)
 
 
 async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | None = None,
@@ -354,6 +406,7 @@ async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | N
     connections: set[ClientConnection] = set()
     server = await loop.create_server(lambda: ClientConnection(gateway, connections), host, port,
                                       backlog=4096, reuse_address=True)
+    sweeper = loop.create_task(sweep(connections, gateway.config.timeouts))
     try:
         bound = server.sockets[0].getsockname()
         gateway.address = (bound[0], bound[1])
@@ -363,6 +416,7 @@ async def serve(gateway: Gateway, host: str, port: int, ready: asyncio.Event | N
             ready.set()
         await (stop or asyncio.Event()).wait()
     finally:
+        sweeper.cancel()
         server.close()
         for conn in list(connections):
             if conn.transport is not None:

@@ -41,6 +41,16 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class RetryConfig:
+    """Per pool: which failures before the first byte go to another replica (see retry.py)."""
+
+    on_status: tuple[int, ...] = (429, 503)  # replica answers that mean "not now": retried
+    on_failure: bool = False  # also retry other 5xx answers and broken connections (no poison set)
+    poison_ttl_s: float = 300.0  # how long a request that failed a replica is refused; 0: never
+    poison_max_entries: int = 10000
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     name: str
     backends: tuple[BackendConfig, ...]
@@ -51,6 +61,7 @@ class PoolConfig:
     prefix_max_blocks: int = 64
     load_factor: float = 1.25
     load_slack: int = 1  # requests a replica may hold beyond its load_factor bound (prefix_aware)
+    retry: RetryConfig = field(default_factory=RetryConfig)
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,14 @@ class TenantConfig:
     name: str
     key: str
     region: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheSaltConfig:
+    """Per-tenant ``cache_salt`` on upstream requests (tenant isolation of the replicas' prefix caches)."""
+
+    enabled: bool = True  # only has an effect when tenants are configured
+    secret: str | None = None  # HMAC key; None: a random one per process (instances then disagree)
 
 
 @dataclass(frozen=True)
@@ -71,9 +90,12 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class TimeoutConfig:
-    connect_s: float = 2.0
-    first_byte_s: float = 60.0
-    idle_s: float = 60.0
+    connect_s: float = 2.0  # upstream: TCP connect to a backend
+    first_byte_s: float = 60.0  # upstream: request sent -> first response byte
+    idle_s: float = 60.0  # upstream: silence in the middle of a response
+    header_read_s: float = 10.0  # client: first byte of a request -> its whole head (else 408)
+    body_read_s: float = 30.0  # client: end of the head -> the whole body (else 408)
+    keep_alive_s: float = 30.0  # client: an open connection without a request in progress is closed
 
 
 @dataclass(frozen=True)
@@ -90,6 +112,7 @@ class GatewayConfig:
     port: int
     models: tuple[PoolConfig, ...]
     tenants: tuple[TenantConfig, ...] = ()
+    cache_salt: CacheSaltConfig = field(default_factory=CacheSaltConfig)
     region: str | None = None
     region_header: str = "x-hasten-region"
     http2: bool = False
@@ -201,7 +224,7 @@ def _backend(c: _Checker, raw: Any, where: str) -> BackendConfig | None:
 
 def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
     allowed = {"name", "policy", "backends", "backend_model", "session_header", "prefix_block_chars",
-               "prefix_max_blocks", "load_factor", "load_slack", *ROUTE_KEYS}
+               "prefix_max_blocks", "load_factor", "load_slack", "retry", *ROUTE_KEYS}
     raw = c.mapping(raw, where, allowed)
     name = c.string(raw, "name", where, required=True)
     policy = c.string(raw, "policy", where, default="round_robin")
@@ -213,6 +236,7 @@ def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
     max_blocks = c.number(raw, "prefix_max_blocks", where, 64, minimum=1, integer=True)
     load_factor = c.number(raw, "load_factor", where, 1.25, minimum=1.0)
     load_slack = c.number(raw, "load_slack", where, 1, minimum=0, integer=True)
+    retry = _retry(c, raw.get("retry"), f"{where}.retry")
     backends_raw = raw.get("backends")
     backends: list[BackendConfig] = []
     if not isinstance(backends_raw, list) or not backends_raw:
@@ -231,7 +255,37 @@ def _pool(c: _Checker, raw: Any, where: str) -> PoolConfig | None:
         return None
     return PoolConfig(name=name, backends=tuple(backends), policy=policy, backend_model=backend_model,
                       session_header=session_header.lower(), prefix_block_chars=block,
-                      prefix_max_blocks=max_blocks, load_factor=float(load_factor), load_slack=load_slack)
+                      prefix_max_blocks=max_blocks, load_factor=float(load_factor), load_slack=load_slack,
+                      retry=retry)
+
+
+def _retry(c: _Checker, raw: Any, where: str) -> RetryConfig:
+    """A pool's ``retry`` mapping (absent or null: the defaults)."""
+    if raw is None:
+        return RetryConfig()
+    raw = c.mapping(raw, where, {"on_status", "on_failure", "poison_ttl_s", "poison_max_entries"})
+    default = RetryConfig()
+    on_status = default.on_status
+    statuses = raw.get("on_status")
+    if statuses is not None:
+        if not isinstance(statuses, list):
+            c.fail(f"{where}.on_status", f"expected a list of HTTP statuses, got {statuses!r}")
+        else:
+            good: list[int] = []
+            for i, st in enumerate(statuses):
+                if isinstance(st, bool) or not isinstance(st, int) or not (st == 429 or 500 <= st <= 599):
+                    c.fail(f"{where}.on_status[{i}]", f"expected 429 or a 5xx status, got {st!r} (other "
+                                                      "4xx answers are the request's own fault: never retried)")
+                else:
+                    good.append(st)
+            on_status = tuple(sorted(set(good)))
+    return RetryConfig(
+        on_status=on_status,
+        on_failure=c.boolean(raw, "on_failure", where, default.on_failure),
+        poison_ttl_s=float(c.number(raw, "poison_ttl_s", where, default.poison_ttl_s)),
+        poison_max_entries=c.number(raw, "poison_max_entries", where, default.poison_max_entries, minimum=1,
+                                    integer=True),
+    )
 
 
 def _section(c: _Checker, raw: dict[str, Any], key: str, cls: type, spec: dict[str, tuple]) -> Any:
@@ -256,7 +310,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     """Validate a decoded YAML document and build a :class:`GatewayConfig`."""
     c = _Checker()
     allowed = {"listen", "models", "tenants", "region", "region_header", "http2", "max_retries",
-               "max_body_bytes", "health", "timeouts", "tracing", "nice", *TOP_KEYS}
+               "max_body_bytes", "health", "timeouts", "tracing", "nice", "cache_salt", *TOP_KEYS}
     if raw is None:
         raise ConfigError(source, ["the file is empty; expected a mapping with 'listen' and 'models'"])
     raw = c.mapping(raw, "", allowed)
@@ -313,6 +367,9 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         "connect_s": ("number", {"positive": True}),
         "first_byte_s": ("number", {"positive": True}),
         "idle_s": ("number", {"positive": True}),
+        "header_read_s": ("number", {"positive": True}),
+        "body_read_s": ("number", {"positive": True}),
+        "keep_alive_s": ("number", {"positive": True}),
     })
     tracing = _section(c, raw, "tracing", TracingConfig, {
         "enabled": ("bool", {}),
@@ -322,6 +379,10 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     })
     if tracing.exporter not in ("none", "console", "otlp"):
         c.fail("tracing.exporter", f"{tracing.exporter!r} is not one of none, console, otlp")
+    cache_salt = _section(c, raw, "cache_salt", CacheSaltConfig, {"enabled": ("bool", {}), "secret": ("string", {})})
+    if cache_salt.secret is not None and len(cache_salt.secret) < 16:
+        c.fail("cache_salt.secret", "must be at least 16 characters (it keys the HMAC that makes tenant salts "
+                                    "unguessable)")
     if not health.path.startswith("/"):
         c.fail("health.path", f"must start with '/', got {health.path!r}")
     governance = parse_governance(c, raw, gov_tenants, gov_models, {p.name for p in pools})
@@ -330,7 +391,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         c.fail("nice", f"must be between -20 and 19, got {nice!r}")
         nice = None
     config = GatewayConfig(
-        host=host, port=port, models=tuple(pools), tenants=tuple(tenants),
+        host=host, port=port, models=tuple(pools), tenants=tuple(tenants), cache_salt=cache_salt,
         region=c.string(raw, "region", ""),
         region_header=c.string(raw, "region_header", "", default="x-hasten-region").lower(),
         http2=c.boolean(raw, "http2", "", False),

@@ -160,7 +160,9 @@ class Gateway:
         return resp
 
     def abandon(self, ctx: RequestContext) -> None:
-        """The client went away: release what governance holds for this request (idempotent)."""
+        """The client went away: release the backend slot reserved for this request and what
+        governance holds for it (idempotent)."""
+        self.proxy.release_reservation(ctx)
         settle = ctx.attrs.pop("_gov_settle", None)
         if settle is not None:
             settle(None)

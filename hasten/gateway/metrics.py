@@ -148,6 +148,9 @@ class GatewayMetrics:
         self.backend_up = Gauge("backend_up", "1 if the backend is routable (probe ok, breaker not open)",
                                 ("model", "backend"))
         self.breaker_opened = Counter("breaker_opened_total", "Circuit breaker openings", ("model", "backend"))
+        self.poison_rejected = Counter("poison_rejected_total",
+                                       "Requests refused because an identical request failed a replica",
+                                       ("model",))
         self.added_latency = Histogram("added_latency_seconds",
                                        "Gateway time from request received to upstream request sent",
                                        ("model",), FAST_BUCKETS)
@@ -180,7 +183,8 @@ class GatewayMetrics:
             fn()
         lines: list[str] = []
         for metric in (self.requests, self.backend_requests, self.backend_errors, self.retries,
-                       self.in_flight, self.backend_up, self.breaker_opened, self.added_latency,
+                       self.in_flight, self.backend_up, self.breaker_opened, self.poison_rejected,
+                       self.added_latency,
                        self.chunk_delay, self.upstream_first_byte, self.ttft, self.e2e, *self.extra):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -40,8 +40,8 @@ class GatewayError(Exception):
         return error_body(self.message, self.type, self.code)
 
 
-def error_body(message: str, type_: str, code: str | None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode()
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
 _ID_PREFIX = os.urandom(6).hex()  # per process: ids from several gateway instances do not collide

@@ -8,6 +8,10 @@ orders backends inside each group.
 All policies that need agreement between several gateway instances (prefix-aware ring
 placement, session affinity) use stable hashes (BLAKE2b), never Python's salted ``hash``,
 so independent gateway instances route the same key to the same replica without sharing state.
+
+Load-aware choices (least outstanding, the prefix-aware load bound) read
+``BackendState.in_flight``. The proxy counts a request there as soon as it is routed, before
+it is sent (proxy.py), so a burst routed in one event-loop turn spreads by free capacity.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Protocol
 
 from hasten.gateway.config import PoolConfig
 from hasten.gateway.health import BackendState, CircuitBreaker
+from hasten.gateway.retry import PoisonSet
 
 
 def stable_hash(data: bytes) -> int:
@@ -36,6 +41,7 @@ class RouteInput:
     prompt: str | None = None
     session: str | None = None
     region: str | None = None
+    salt: str | None = None  # the tenant's cache salt: replicas share cached prefixes only within one salt
     block_hashes: list[int] = field(default_factory=list)
 
 
@@ -141,11 +147,13 @@ class PrefixAware:
         self._ring_urls = [u for _, u in ring]
         self._fallback = LeastOutstanding()
 
-    def block_hashes(self, prompt: str) -> list[int]:
+    def block_hashes(self, prompt: str, salt: str | None = None) -> list[int]:
         data = prompt.encode("utf-8", "surrogatepass")
         # blocks are measured in characters of the encoded text; approximate for non-ASCII
         step = self._block
         h = hashlib.blake2b(digest_size=8)
+        if salt:  # like the replicas' cache: equal prompts of different salts are different prefixes
+            h.update(salt.encode() + b"\x00")
         out: list[int] = []
         for start in range(0, min(len(data), step * self._max_blocks), step):
             h.update(data[start:start + step])
@@ -156,7 +164,7 @@ class PrefixAware:
         if not inp.prompt:
             return self._fallback.order(group, inp)
         if not inp.block_hashes:
-            inp.block_hashes = self.block_hashes(inp.prompt)
+            inp.block_hashes = self.block_hashes(inp.prompt, inp.salt)
         by_url = {b.url: b for b in group}
         total_load = sum(b.in_flight for b in group) + 1
         total_weight = sum(b.weight for b in group)
@@ -237,11 +245,12 @@ class Pool:
         self.name = cfg.name
         self.backends = [BackendState(b, CircuitBreaker(failure_threshold, cooldown_s)) for b in cfg.backends]
         self.policy = make_policy(cfg, self.backends)
+        self.poison = PoisonSet(cfg.retry)  # requests that failed a replica (retry.py)
 
     def route_input(self, payload: dict[str, Any] | None, session: str | None,
-                    region: str | None) -> RouteInput:
+                    region: str | None, salt: str | None = None) -> RouteInput:
         prompt = prompt_text(payload) if payload and isinstance(self.policy, PrefixAware) else None
-        return RouteInput(prompt=prompt, session=session, region=region)
+        return RouteInput(prompt=prompt, session=session, region=region, salt=salt)
 
     def candidates(self, inp: RouteInput, now: float | None = None) -> list[BackendState]:
         now = time.monotonic() if now is None else now

@@ -12,7 +12,9 @@ import contextlib
 import socket
 from typing import Protocol
 
-from hasten.gateway.h1 import MAX_HEAD, ChunkedDecoder, ProtocolError, parse_response_head
+from httptools import HttpResponseParser
+
+from hasten.gateway.h1 import H1Reader, ProtocolError, response_status
 
 
 class Sink(Protocol):
@@ -32,18 +34,31 @@ def set_nodelay(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class UpstreamConnection(asyncio.Protocol):
+class UpstreamConnection(H1Reader, asyncio.Protocol):
+    """One keep-alive connection to a backend; the response is parsed by llhttp as it arrives.
+
+    A response that llhttp or :class:`H1Reader` rejects, a Transfer-Encoding other than
+    ``chunked``, an HTTP version other than 1.0/1.1 or a protocol upgrade fails the exchange
+    (``on_error``) and closes the connection; bytes after the end of a response close it too.
+    """
+
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.sink: Sink | None = None
         self.reused = False
         self.got_bytes = False
-        self._buf = b""
-        self._head = False
-        self._decoder: ChunkedDecoder | None = None
-        self._length: int | None = None
+        self._init_reader()
+        self._parser = HttpResponseParser(self)
+        self._status = 0
+        self._interim = False  # a 1xx response is being parsed (skipped)
+        self._head = False  # the final response's head is complete
+        self._delivered = False  # ... and was given to the sink
+        self._complete = False  # the final response is complete
+        self._until_close = False  # its body ends when the backend closes the connection
+        self._parts: list[bytes] = []
         self._keep = True
+        self._expect_body = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -53,13 +68,56 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None
         self.sink = sink
         self.got_bytes = False
-        self._buf = b""
-        self._head = False
-        self._decoder = None
-        self._length = None
+        self._head = self._delivered = self._complete = self._until_close = self._interim = False
+        self._parts = []
         self._keep = True
         self._expect_body = expect_body
         self.transport.write(raw)
+
+    # -- llhttp callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # more bytes after the response: the connection is out of sync
+            raise self._reject("data after the end of the response", 502)
+        self._reset_head()
+
+    def on_headers_complete(self) -> None:
+        self._end_head()
+        headers = self.headers
+        parser = self._parser
+        status = parser.get_status_code()
+        if status < 200:  # 1xx interim response (100 Continue): skipped
+            self._interim = True
+            return
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            raise self._reject(f"HTTP/{version} response", 502)
+        te = headers.get("transfer-encoding")
+        if te is not None and te.strip(" \t").lower() != "chunked":
+            raise self._reject(f"unsupported Transfer-Encoding {te[:40]!r} in the response", 502)
+        self._status = status
+        self._head = True
+        self._keep = parser.should_keep_alive()
+        self._until_close = te is None and "content-length" not in headers and status not in (204, 304)
+        if not self._expect_body:  # HEAD: no body follows, whatever the head says; the parser
+            self._complete = True  # would wait for one, so the connection is not reused
+            self._keep = False
+
+    def on_body(self, body: bytes) -> None:
+        self._chunk_open = False
+        if self._expect_body:
+            self._parts.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+        else:
+            self._complete = True
+
+    def _upgraded(self) -> ProtocolError | None:
+        return ProtocolError("unexpected protocol upgrade from the backend", 502)
+
+    # -- asyncio protocol --------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
         sink = self.sink
@@ -67,71 +125,26 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         self.got_bytes = True
+        err = self._feed(data)
+        if err is not None:
+            if not self._complete:
+                self._fail(err)
+                return
+            self._keep = False  # garbage after a complete response: do not reuse the connection
         if not self._head:
-            buf = self._buf + data
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD:
-                    self._fail(ProtocolError("response head too large"))
-                else:
-                    self._buf = buf
-                return
-            try:
-                status, headers = parse_response_head(buf[:end])
-            except ProtocolError as exc:
-                self._fail(exc)
-                return
-            data = buf[end + 4:]
-            self._buf = b""
-            if 100 <= status < 200:  # interim response (100 Continue): skip it
-                if data:
-                    self.data_received(data)
-                return
-            self._head = True
-            if "chunked" in headers.get("transfer-encoding", "").lower():
-                self._decoder = ChunkedDecoder()
-            elif "content-length" in headers:
-                try:
-                    self._length = int(headers["content-length"])
-                except ValueError:
-                    self._fail(ProtocolError("bad content-length"))
-                    return
-            else:
-                self._keep = False  # body ends when the backend closes the connection
-            if "close" in headers.get("connection", "").lower():
-                self._keep = False
-            sink.on_head(status, headers)
+            return
+        if not self._delivered:
+            self._delivered = True
+            sink.on_head(self._status, self.headers)
             if self.sink is None:  # the sink gave up on this response
                 return
-            if not self._expect_body or status in (204, 304) or self._length == 0:
-                self._finish()
-                return
-            if not data:
-                return
-        decoder = self._decoder
-        if decoder is not None:
-            try:
-                parts = decoder.feed(data)
-            except ProtocolError as exc:
-                self._fail(exc)
-                return
-            if parts:
-                sink.on_data(parts[0] if len(parts) == 1 else b"".join(parts), decoder.done)
-            if decoder.done and self.sink is not None:
-                if decoder.extra:
-                    self._keep = False
-                self._finish()
-        elif self._length is not None:
-            take = data[:self._length] if len(data) > self._length else data
-            self._length -= len(take)
-            if take:
-                sink.on_data(take, not self._length)
-            if not self._length and self.sink is not None:
-                if len(take) < len(data):
-                    self._keep = False
-                self._finish()
-        else:
-            sink.on_data(data)
+        parts = self._parts
+        if parts:
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            parts.clear()
+            sink.on_data(data, self._complete)
+        if self._complete and self.sink is not None:
+            self._finish()
 
     def _finish(self) -> None:
         sink, self.sink = self.sink, None
@@ -167,7 +180,7 @@ class UpstreamConnection(asyncio.Protocol):
         sink, self.sink = self.sink, None
         if sink is None:
             return
-        if self._head and self._decoder is None and self._length is None:
+        if self._delivered and self._until_close and not self._complete:
             sink.on_end()  # close-delimited body: EOF is the normal end
         else:
             sink.on_error(exc or ConnectionResetError("backend closed the connection"))
@@ -230,9 +243,7 @@ async def probe(host: str, port: int, path: str, timeout_s: float) -> int:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
-            head = await reader.readuntil(b"\r\n\r\n")
-            status, _ = parse_response_head(head[:-4])
-            return status
+            return response_status(await reader.readuntil(b"\r\n\r\n"))
         finally:
             writer.close()
 

@@ -26,6 +26,15 @@ from hasten.server import protocol as P
 from hasten.server.chat import chat_prompt, create_chat_completion
 from hasten.server.completions import create_completion
 from hasten.server.errors import RETRY_AFTER_SECONDS, APIError, install_error_handlers
+from hasten.server.grammar_limits import StructuredLimits
+from hasten.server.limits import (
+    BodyLimitMiddleware,
+    HTTPLimits,
+    add_body_schemas,
+    json_body_doc,
+    offload,
+    read_json_model,
+)
 from hasten.server.metrics import CONTENT_TYPE, ServerMetrics
 from hasten.server.serving import Serving
 from hasten.server.supervisor import EngineSupervisor, SupervisionConfig
@@ -39,6 +48,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
                        (429, "Waiting queue full; retry after Retry-After seconds"),
                        (503, "Model still loading"))
 }
+# Routes with a JSON body read and validate it themselves (hasten/server/limits.py: large bodies off the
+# event loop); their documented body and the 413 every body route may answer:
+_BODY_MODELS: list[type[Any]] = [P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest,
+                                 P.DetokenizeRequest]
+_TOO_LARGE: dict[int | str, dict[str, Any]] = {
+    413: {"model": P.ErrorResponse, "description": "Request body over --max-request-bytes"}}
 # With "stream": true: Server-Sent Events, each `data:` a JSON chunk, the last one `[DONE]`.
 _SSE = {"text/event-stream": {"schema": {
     "type": "object", "description": "One server-sent event; `data` is a chunk as JSON, or [DONE].",
@@ -58,6 +73,7 @@ class ServerState:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     supervisor: EngineSupervisor | None = None
     down_reason: str | None = None  # set while a failed engine is being replaced
+    structured: StructuredLimits | None = None  # response_format budgets (grammar_limits.py)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +93,7 @@ class ServerState:
             t_warm = time.perf_counter()
             names = self.served_names or [engine.model_name]
             self.engine = engine
-            self.serving = Serving(engine, self.metrics, names)
+            self.serving = Serving(engine, self.metrics, names, self.structured)
             self.ready = True
             self.startup_seconds = t_warm - t0
             logger.info("ready: serving %s (max_model_len=%d) after %.2fs (engine build %.2fs, start %.2fs; "
@@ -135,8 +151,10 @@ def _json(body: Any) -> Response:
 
 def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None = None,
               on_load_failure: Callable[[BaseException], None] | None = None,
-              supervision: SupervisionConfig | None = None) -> FastAPI:
-    state = ServerState(engine_factory, served_names, on_load_failure)
+              supervision: SupervisionConfig | None = None, limits: HTTPLimits | None = None,
+              structured: StructuredLimits | None = None) -> FastAPI:
+    state = ServerState(engine_factory, served_names, on_load_failure, structured=structured)
+    limits = limits or HTTPLimits()
     if supervision is not None:
         state.supervision = supervision
 
@@ -152,11 +170,14 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
         if state.engine is not None:
             logger.info("shutting down the engine")
             await state.engine.shutdown()
+        if state.serving is not None:
+            await state.serving.structured.aclose()  # the grammar compiler process
 
     app = FastAPI(title="hasten", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API of the hasten LLM serving stack.")
     app.state.server = state
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_bytes)
+    app.add_middleware(RequestIdMiddleware)  # added last = outermost: the 413 above gets an X-Request-ID
     install_error_handlers(app)
 
     @app.get("/health", responses={200: {"model": P.HealthResponse}, 503: _ERRORS[503]})
@@ -177,33 +198,48 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
         data.sort(key=lambda d: d["id"] != serving.model_name)
         return _json({"object": "list", "data": data})
 
-    @app.post("/v1/completions", responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS})
-    async def completions(body: P.CompletionRequest, request: Request) -> Response:
-        return await create_completion(state.require(), request, body, _request_id(request))
+    @app.post("/v1/completions", openapi_extra=json_body_doc(P.CompletionRequest),
+              responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS, **_TOO_LARGE})
+    async def completions(request: Request) -> Response:
+        body, large = await read_json_model(request, P.CompletionRequest)
+        return await create_completion(state.require(), request, body, _request_id(request), large=large)
 
-    @app.post("/v1/chat/completions",
-              responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS})
-    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(state.require(), request, body, _request_id(request))
+    @app.post("/v1/chat/completions", openapi_extra=json_body_doc(P.ChatCompletionRequest),
+              responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS, **_TOO_LARGE})
+    async def chat_completions(request: Request) -> Response:
+        body, large = await read_json_model(request, P.ChatCompletionRequest)
+        return await create_chat_completion(state.require(), request, body, _request_id(request), large=large)
 
-    @app.post("/tokenize", responses={200: {"model": P.TokenizeResponse}, **_ERRORS})
-    async def tokenize(body: P.TokenizeRequest) -> Response:
+    @app.post("/tokenize", openapi_extra=json_body_doc(P.TokenizeRequest),
+              responses={200: {"model": P.TokenizeResponse}, **_ERRORS, **_TOO_LARGE})
+    async def tokenize(request: Request) -> Response:
+        body, large = await read_json_model(request, P.TokenizeRequest)
         serving = state.require()
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` and `messages`.", param="prompt")
-        if body.messages is not None:
-            ids = chat_prompt(serving, body.messages, body.add_generation_prompt)
-        else:
-            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return _json({"tokens": list(ids), "count": len(ids), "max_model_len": serving.max_model_len})
 
-    @app.post("/detokenize", responses={200: {"model": P.DetokenizeResponse}, **_ERRORS})
-    async def detokenize(body: P.DetokenizeRequest) -> Response:
+        def encode() -> bytes:
+            if body.messages is not None:
+                ids = chat_prompt(serving, body.messages, body.add_generation_prompt)
+            else:
+                ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return orjson.dumps({"tokens": list(ids), "count": len(ids), "max_model_len": serving.max_model_len})
+
+        return Response(await offload(large, encode), media_type="application/json")
+
+    @app.post("/detokenize", openapi_extra=json_body_doc(P.DetokenizeRequest),
+              responses={200: {"model": P.DetokenizeResponse}, **_ERRORS, **_TOO_LARGE})
+    async def detokenize(request: Request) -> Response:
+        body, large = await read_json_model(request, P.DetokenizeRequest)
         serving = state.require()
         serving.check_model(body.model)
-        serving.check_token_ids(body.tokens, "tokens")
-        return _json({"prompt": serving.tokenizer.decode(body.tokens)})
+
+        def decode() -> str:
+            serving.check_token_ids(body.tokens, "tokens")
+            return serving.tokenizer.decode(body.tokens)
+
+        return _json({"prompt": await offload(large, decode)})
 
     @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
@@ -214,6 +250,7 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
+            add_body_schemas(schema, _BODY_MODELS)
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)

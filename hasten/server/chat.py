@@ -11,6 +11,7 @@ from starlette.responses import Response
 from hasten.outputs import RequestOutput, TokenLogprobs
 from hasten.server.errors import APIError
 from hasten.server.generation import Plan, SubRequest, check_context, make_params
+from hasten.server.limits import offload
 from hasten.server.protocol import ChatCompletionRequest, ChatMessage
 from hasten.server.serving import Serving, Streamer, TokenText
 
@@ -38,11 +39,12 @@ def _logprobs(tt: TokenText, ids: list[int], entries: list[TokenLogprobs], k: in
 
 
 async def create_chat_completion(serving: Serving, request: Request, req: ChatCompletionRequest,
-                                 request_id: str) -> Response:
+                                 request_id: str, large: bool = False) -> Response:
+    """`large`: the body was large, so apply the chat template and tokenize in a worker thread."""
     serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    ids = chat_prompt(serving, req.messages, req.add_generation_prompt)
+    ids = await offload(large, chat_prompt, serving, req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, serving.max_model_len - len(ids))

@@ -18,6 +18,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from hasten.server.grammar_limits import StructuredLimits
+from hasten.server.limits import HTTPLimits
+
 logger = logging.getLogger("hasten.server")
 
 ENGINE_MODES = {
@@ -92,11 +95,55 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="window for --max-engine-restarts (default 300)")
     sup.add_argument("--engine-watchdog-timeout", type=float, default=60.0, metavar="SECONDS",
                      help="requests in flight and no engine step for this long: /health answers 503 (default 60)")
+    lim = p.add_argument_group("HTTP limits (docs/server.md)")
+    lim.add_argument("--max-request-bytes", type=int, default=HTTPLimits.max_request_bytes, metavar="BYTES",
+                     help="largest request body; a larger one gets 413 before it is read (default 8 MiB)")
+    lim.add_argument("--max-header-bytes", type=int, default=HTTPLimits.max_header_bytes, metavar="BYTES",
+                     help="largest request line + headers; more gets 431 (default 64 KiB)")
+    lim.add_argument("--header-timeout", type=float, default=HTTPLimits.header_timeout, metavar="SECONDS",
+                     help="a request head (from connection open or its first byte) must be complete "
+                          "within this; else 408 and close (default 10)")
+    lim.add_argument("--body-timeout", type=float, default=HTTPLimits.body_timeout, metavar="SECONDS",
+                     help="a request body must have arrived in full this long after its head; else 408 and "
+                          "close (default 30)")
+    lim.add_argument("--timeout-keep-alive", type=float, default=HTTPLimits.timeout_keep_alive,
+                     metavar="SECONDS", help="close a kept-alive connection idle for this long (default 5)")
+    so = p.add_argument_group("structured output: response_format budgets (docs/server.md)")
+    so.add_argument("--max-schema-bytes", type=int, default=StructuredLimits.max_schema_bytes, metavar="BYTES",
+                    help="largest JSON schema (as compact JSON); more gets 400 (default 64 KiB)")
+    so.add_argument("--max-schema-enum-values", type=int, default=StructuredLimits.max_enum_values, metavar="N",
+                    help="most enum values in one schema; more gets 400 (default 4096)")
+    so.add_argument("--max-schema-properties", type=int, default=StructuredLimits.max_properties, metavar="N",
+                    help="most object properties in one schema; more gets 400 (default 512)")
+    so.add_argument("--grammar-compile-timeout", type=float, default=StructuredLimits.compile_timeout_s,
+                    metavar="SECONDS", help="a schema that takes longer to compile gets 400 and its compile "
+                                            "process is killed (default 10)")
+    so.add_argument("--grammar-cache-bytes", type=int, default=StructuredLimits.cache_bytes, metavar="BYTES",
+                    help="compiled grammars kept in memory (default 256 MiB)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
     return p.parse_args(argv)
+
+
+def http_limits(args: argparse.Namespace) -> HTTPLimits:
+    try:
+        return HTTPLimits(max_request_bytes=args.max_request_bytes, max_header_bytes=args.max_header_bytes,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          timeout_keep_alive=args.timeout_keep_alive)
+    except ValueError as exc:
+        raise SystemExit(f"hasten serve: {exc}") from None
+
+
+def structured_limits(args: argparse.Namespace) -> StructuredLimits:
+    try:
+        return StructuredLimits(max_schema_bytes=args.max_schema_bytes, max_enum_values=args.max_schema_enum_values,
+                                max_properties=args.max_schema_properties,
+                                compile_timeout_s=args.grammar_compile_timeout,
+                                cache_bytes=args.grammar_cache_bytes, prestart=True)
+    except ValueError as exc:
+        raise SystemExit(f"hasten serve: {exc}") from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +188,21 @@ def _fast_loop_and_http() -> tuple[str, str]:
     return loop, http
 
 
+def uvicorn_limits(limits: HTTPLimits, http: str) -> dict[str, Any]:
+    """uvicorn settings for `limits`; with httptools, a protocol that adds the header/body timeouts and
+    the head-size limit (hasten/server/http_protocol.py)."""
+    options: dict[str, Any] = {"http": http, "timeout_keep_alive": limits.timeout_keep_alive,
+                               "h11_max_incomplete_event_size": limits.max_header_bytes}
+    if http == "httptools":
+        from hasten.server.http_protocol import protocol_class
+
+        options["http"] = protocol_class(limits)
+    else:
+        logger.warning("httptools is not installed: no header or body timeouts (--header-timeout, "
+                       "--body-timeout)")
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -170,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                                         watchdog_s=args.engine_watchdog_timeout)
     except ValueError as exc:
         raise SystemExit(f"hasten serve: {exc}") from None
-    app = build_app(build_engine, args.served_model_name, on_load_failure, supervision=supervision)
+    limits = http_limits(args)
+    app = build_app(build_engine, args.served_model_name, on_load_failure, supervision=supervision,
+                    limits=limits, structured=structured_limits(args))
     loop, http = _fast_loop_and_http()
-    config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, http=http,
-                            log_level=args.log_level, access_log=args.access_log, lifespan="on",
-                            timeout_graceful_shutdown=args.graceful_timeout, log_config=None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level,
+                            access_log=args.access_log, lifespan="on", log_config=None,
+                            timeout_graceful_shutdown=args.graceful_timeout, **uvicorn_limits(limits, http))
     server = uvicorn.Server(config)
     logger.info("listening on http://%s:%d (loop=%s, http=%s)", args.host, args.port, loop, http)
     server.run()

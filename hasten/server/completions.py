@@ -10,11 +10,13 @@ from starlette.responses import Response
 
 from hasten.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hasten.server.generation import Plan, SubRequest, check_context, make_params
+from hasten.server.limits import encode_large, offload
 from hasten.server.protocol import CompletionRequest
 from hasten.server.serving import Serving, Streamer, TokenText
 
 
-def _prompts(serving: Serving, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+def _prompts(serving: Serving, req: CompletionRequest, max_tokens: int,
+             large: bool) -> tuple[list[list[int]], list[str | None]]:
     p = req.prompt
     texts: list[str | None]
     if isinstance(p, str):
@@ -28,8 +30,14 @@ def _prompts(serving: Serving, req: CompletionRequest) -> tuple[list[list[int]],
         for ids in p:
             serving.check_token_ids(ids, "prompt")  # type: ignore[arg-type]
         return [list(ids) for ids in p], [None] * len(p)  # type: ignore[union-attr]
-    encode = serving.tokenizer.encode
-    return [encode(t, add_special_tokens=req.add_special_tokens) for t in texts], texts  # type: ignore[misc]
+    tokenizer, special = serving.tokenizer, req.add_special_tokens
+    if large:  # (in a worker thread) a prompt that cannot fit is refused before its ids become a list
+
+        def fits(count: int) -> None:
+            check_context(count, max_tokens, serving.max_model_len, "prompt")
+
+        return [encode_large(tokenizer, t, special, fits) for t in texts], texts  # type: ignore[arg-type]
+    return [tokenizer.encode(t, add_special_tokens=special) for t in texts], texts  # type: ignore[misc]
 
 
 def _logprobs(tt: TokenText, ids: list[int], entries: list[TokenLogprobs | None], k: int,
@@ -56,10 +64,11 @@ def _merge_lp(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
 
 
 async def create_completion(serving: Serving, request: Request, req: CompletionRequest,
-                            request_id: str) -> Response:
+                            request_id: str, large: bool = False) -> Response:
+    """`large`: the body was large, so tokenize (or check the token ids) in a worker thread."""
     serving.check_model(req.model)
-    prompts, texts = _prompts(serving, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    prompts, texts = await offload(large, _prompts, serving, req, max_tokens, large)
     for ids in prompts:
         check_context(len(ids), max_tokens, serving.max_model_len, "prompt")
     k = req.logprobs

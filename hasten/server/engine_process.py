@@ -9,8 +9,10 @@ that `AsyncLLM.generate` would yield. Commands (add, abort, stop) go the other w
 are drained between steps. If the child dies, every open stream fails and `errored`
 is set (so `/health` turns 503).
 
-Logits processors cross the process boundary by pickle: structured-output processors
-rebuild themselves in the child from their grammar key (see `structured.py`).
+Logits processors cross the process boundary by pickle: a structured-output processor
+carries what the server's compile worker found cheapest to load - the schema (compiled
+again here, bounded by the worker's measured time) or the serialized grammar - and the
+child loads it once per schema; an unchecked schema never reaches it (see `structured.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import astuple
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hasten.engine.stats import EngineStats, QueueFullError, RequestFailedError
+from hasten.engine.stats import EngineStats, EngineUnavailableError, QueueFullError, RequestFailedError
 from hasten.outputs import CompletionOutput, RequestOutput
 from hasten.sampling_params import SamplingParams
 
@@ -319,7 +321,7 @@ class ProcessEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.errored is not None:
-            raise RuntimeError(self.errored)
+            raise EngineUnavailableError("the engine failed and is being restarted")
         if self._transport is None:
             raise RuntimeError("the engine is not running (call start() first)")
         if request_id in self._streams:

@@ -90,6 +90,9 @@ def engine_error(exc: Exception) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, ValueError):
         return APIError(400, str(exc) or "invalid request")
+    if any(cls.__name__ == "EngineUnavailableError" for cls in type(exc).__mro__):
+        return APIError(503, f"The engine is not available: {exc}", code="engine_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if any(cls.__name__ == "RequestFailedError" for cls in type(exc).__mro__):
         # the engine failed on this request alone and logged the traceback; the server carries on
         return APIError(500, f"The engine failed while generating this request: {exc}",

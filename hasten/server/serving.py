@@ -23,10 +23,11 @@ from hasten.outputs import RequestOutput, TokenLogprobs
 from hasten.sampling_params import SamplingParams
 from hasten.server.errors import APIError, engine_error
 from hasten.server.generation import Generation, Plan, SubRequest, build_plan
+from hasten.server.grammar_limits import StructuredLimits
 from hasten.server.metrics import ServerMetrics
 from hasten.server.protocol import SamplingFields
 from hasten.server.sse import DONE, ClientDisconnected, SSEResponse, race_disconnect, sse
-from hasten.server.structured import StructuredOutput, wants_grammar
+from hasten.server.structured import Grammar, StructuredOutput, wants_grammar
 from hasten.server.tracing import Timing
 
 logger = logging.getLogger("hasten.server")
@@ -63,7 +64,8 @@ class TokenText:
 
 
 class Serving:
-    def __init__(self, engine: Any, metrics: ServerMetrics, served_names: list[str]) -> None:
+    def __init__(self, engine: Any, metrics: ServerMetrics, served_names: list[str],
+                 structured: StructuredLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.metrics = metrics
@@ -71,7 +73,7 @@ class Serving:
         self.served_names = set(served_names)
         self.max_model_len: int = engine.max_model_len
         self.vocab_limit = len(self.tokenizer)
-        self.structured = StructuredOutput(self.tokenizer)
+        self.structured = StructuredOutput(self.tokenizer, structured)
         self.token_text = TokenText(self.tokenizer)
         self._in_flight: set[str] = set()
 
@@ -94,14 +96,32 @@ class Serving:
             rid, k = f"{request_id}~{k}", k + 1
         return rid
 
-    async def processor_factory(self, req: SamplingFields) -> Callable[[], Any] | None:
+    async def processor_factory(self, req: SamplingFields, request: Request | None = None
+                                ) -> Callable[[], Any] | None:
+        """Logits processors for `response_format`. A cached grammar costs no I/O; a new one is compiled
+        in a worker process (see structured.py), abandoned if the client disconnects meanwhile."""
         fmt = req.response_format
         if not wants_grammar(fmt):
             return None
         assert fmt is not None
-        key = self.structured.key_for(fmt)
-        compiled = await asyncio.to_thread(self.structured.compile_key, key)
-        return lambda: self.structured.processor(compiled, key)
+        grammar = self.structured.cached(fmt)
+        if grammar is None:
+            work = self.structured.grammar(fmt)
+            try:
+                grammar = await (race_disconnect(request.receive, work, lambda: None) if request is not None
+                                 else work)
+            except ClientDisconnected:
+                raise APIError(499, "The client disconnected while its JSON schema was compiling.") from None
+        if grammar.compiled is None and not self._engine_pickles_processors():
+            await asyncio.to_thread(self.structured.load, grammar)  # the engine loop runs in this process
+        compiled: Grammar = grammar
+        return lambda: self.structured.processor(compiled)
+
+    def _engine_pickles_processors(self) -> bool:
+        """An engine in another process rebuilds processors there from the serialized grammar."""
+        from hasten.server.engine_process import ProcessEngine
+
+        return isinstance(self.engine, ProcessEngine)
 
     # ---- running ----------------------------------------------------------------------
     async def run(self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -109,7 +129,7 @@ class Serving:
                   streamer: Callable[[Plan], Streamer]) -> Response:
         for name, tok in params.token_ids_out_of_range(self.vocab_limit):
             raise APIError(400, f"token id {tok} is out of range (vocabulary size {self.vocab_limit})", param=name)
-        factory = await self.processor_factory(req)
+        factory = await self.processor_factory(req, request)
         engine_id = self.unique_id(request_id)
         plan = build_plan(engine_id, prompts, params, factory)
         gen = Generation(self.engine, plan, self.metrics, priority=req.priority, cache_salt=req.cache_salt)

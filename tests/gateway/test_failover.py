@@ -13,16 +13,18 @@ from gw_helpers import Cluster, StreamResult, chat, metric, request, stream, wai
 FAST_HEALTH = {"interval_s": 0.3, "timeout_s": 0.5, "failure_threshold": 2, "cooldown_s": 1.0}
 
 
-def pool(*backends: Any, policy: str = "round_robin", name: str = "m") -> dict[str, Any]:
-    return {"name": name, "policy": policy, "backends": [{"url": b.url} for b in backends]}
+def pool(*backends: Any, policy: str = "round_robin", name: str = "m", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "policy": policy, "backends": [{"url": b.url} for b in backends], **extra}
 
 
-def test_retry_before_first_byte_on_5xx_and_broken_connections(cluster: Cluster) -> None:
+def test_retry_before_first_byte_on_503_and_broken_connections(cluster: Cluster) -> None:
+    """503 answers fail over; with ``retry.on_failure`` so do connections a replica drops (by default
+    those are charged to the request and not retried: test_retry_policy.py)."""
     bad_status = cluster.backend("bad503", "--status", "503")
     aborts = cluster.backend("aborts", "--fail-after", "0")  # sends headers, then drops the connection
     good = cluster.backend("good", "--tokens", "3", "--interval-ms", "1")
-    gw = cluster.gateway({"models": [pool(bad_status, aborts, good)], "health": FAST_HEALTH,
-                          "max_retries": 2})
+    gw = cluster.gateway({"models": [pool(bad_status, aborts, good, retry={"on_failure": True})],
+                          "health": FAST_HEALTH, "max_retries": 2})
     for i in range(6):
         res = stream(gw, chat(f"s{i}", model="m"))
         assert res.status == 200
@@ -36,6 +38,22 @@ def test_retry_before_first_byte_on_5xx_and_broken_connections(cluster: Cluster)
     # repeated failures opened the breakers of both bad replicas
     assert metric(text, "breaker_opened_total", backend=bad_status.url) >= 1
     assert metric(text, "breaker_opened_total", backend=aborts.url) >= 1
+
+
+def test_a_500_stays_on_one_replica_and_its_repeats_are_refused(cluster: Cluster) -> None:
+    """The request a replica answered 500 is not sent to the next replica: one request cannot take
+    the pool down, and the client's automatic retries of it are refused without reaching any."""
+    a = cluster.backend("a", "--status", "500")
+    b = cluster.backend("b", "--status", "500")
+    gw = cluster.gateway({"models": [pool(a, b)], "health": FAST_HEALTH})
+    r = request(gw, "POST", "/v1/chat/completions", chat("crash", model="m"))
+    assert r.status == 500 and "says 500" in r.json()["error"]["message"]  # the replica's own body
+    for _ in range(2):
+        r = request(gw, "POST", "/v1/chat/completions", chat("crash", model="m"))
+        assert r.status == 500 and r.json()["error"]["code"] == "poison_request"
+    seen = request(a, "GET", "/stats").json()["requests"] + request(b, "GET", "/stats").json()["requests"]
+    assert seen == 1
+    assert metric(request(gw, "GET", "/metrics").body.decode(), "poison_rejected_total", model="m") == 2
 
 
 def test_backend_connections_are_pooled_and_reused(cluster: Cluster) -> None:

@@ -1,12 +1,23 @@
-"""Routing policies, region ordering and the circuit breaker, in-process (no network)."""
+"""Routing policies, region ordering and the circuit breaker, in-process; at the end, bursts
+through the real frontend (in-process gateway and backends on 127.0.0.1, gw_inproc.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
 
+import pytest
+from gw_inproc import Backends, ScriptedBackend, burst, chat, running_gateway, settle
+
+from hasten.gateway.app import ClientConnection
 from hasten.gateway.config import parse_config
+from hasten.gateway.core import Gateway
 from hasten.gateway.health import BreakerState, CircuitBreaker
 from hasten.gateway.routing import Pool, PrefixAware, RouteInput, prompt_text
+from hasten.gateway.testing import MemoryTransport
 
 
 def make_pool(policy: str, backends: list[dict] | None = None) -> Pool:
@@ -160,3 +171,105 @@ def test_prompt_text_shapes() -> None:
     chat = prompt_text({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
     assert chat is not None and "hi" in chat
     assert prompt_text({}) is None
+
+
+# -- bursts: every request of a burst is routed before any of them is sent ----------------------
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Backends]:
+    made = Backends()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+def shares(bs: list[ScriptedBackend]) -> dict[str, int]:
+    return {b.name: len(b.bodies) for b in bs}
+
+
+async def warm_up_then_restart(gw: Any, bs: list[ScriptedBackend], restarted: ScriptedBackend) -> None:
+    """Every backend gets a pooled connection, then ``restarted`` comes back with none."""
+    pools = [gw.proxy._pools[b.url] for b in bs]
+    for i in range(50):  # (prefix_aware places each new prompt on its ring: try until every one is hit)
+        if all(p.idle for p in pools):
+            break
+        (raw,) = await burst(gw, [chat(f"warm {i}")])
+        assert raw.startswith(b"HTTP/1.1 200")
+    await restarted.restart()
+    await asyncio.sleep(0.05)  # the gateway sees its pooled connection close
+    assert gw.proxy._pools[restarted.url].idle == 0
+    assert all(gw.proxy._pools[b.url].idle == 1 for b in bs if b is not restarted)
+    for b in bs:
+        b.bodies.clear()
+
+
+@pytest.mark.parametrize("policy", ["least_outstanding", "prefix_aware"])
+async def test_a_burst_spreads_over_the_replicas_even_one_just_restarted(policy: str, backends: Backends) -> None:
+    bs = await backends("a", "b", "c", tokens=3, interval_s=0.05)
+    async with running_gateway({"models": [{"name": "m", "policy": policy,
+                                            "backends": [{"url": b.url} for b in bs]}]}) as gw:
+        await warm_up_then_restart(gw, bs, bs[2])
+        system = "You are a helpful assistant. " * 20  # prefix_aware: every request shares this prefix
+        answers = await burst(gw, [chat(f"q{i}", stream=True, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]) for i in range(24)])
+        assert all(a.startswith(b"HTTP/1.1 200") and a.count(b"data: ") == 4 for a in answers)
+        got = shares(bs)
+        assert sum(got.values()) == 24
+        if policy == "least_outstanding":  # in proportion to free capacity: 8 each
+            assert max(got.values()) <= math.ceil(24 / 3) + 1, got
+        else:  # the prefix's replica takes up to its load bound, the rest spills
+            assert max(got.values()) <= math.ceil(1.25 * 24 / 3) + 1, got
+        assert await settle(gw) == {b.url: 0 for b in bs}
+
+
+async def test_in_flight_counts_return_to_zero_on_every_exit(backends: Backends) -> None:
+    bs = await backends("a", "b", "c", tokens=20, interval_s=0.02)
+    async with running_gateway({"models": [{"name": "m", "policy": "least_outstanding",
+                                            "backends": [{"url": b.url} for b in bs]}],
+                                "health": {"interval_s": 60.0, "failure_threshold": 1000}}) as gw:
+        await warm_up_then_restart(gw, bs, bs[0])
+        zero = {b.url: 0 for b in bs}
+        # failures: 503 everywhere (retried, then given up), and requests that fail a replica (500)
+        for b in bs:
+            b.status = 503
+        answers = await burst(gw, [chat(f"busy {i}", stream=True) for i in range(12)])
+        assert all(a.startswith(b"HTTP/1.1 503") for a in answers)
+        assert await settle(gw) == zero
+        for b in bs:
+            b.status = 200
+        answers = await burst(gw, [chat(f"POISON {i}", stream=True) for i in range(12)])
+        assert all(a.startswith(b"HTTP/1.1 500") for a in answers)
+        assert await settle(gw) == zero
+        # clients that go away: at once (some before their request was even routed), before the
+        # first byte, and in the middle of their streams
+        for b in bs:
+            b.ttft_s = 0.3
+        for abort_after_s in (0.0, 0.1, 0.5):
+            await burst(gw, [chat(f"gone {i}", stream=True) for i in range(12)], abort_after_s=abort_after_s)
+            assert await settle(gw) == zero, abort_after_s
+        for b in bs:
+            b.ttft_s = 0.0
+        answers = await burst(gw, [chat(f"after {i}", stream=True) for i in range(12)])
+        assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
+        assert await settle(gw) == zero
+
+
+async def test_a_reservation_is_released_when_the_client_leaves_before_the_async_path_runs() -> None:
+    """No pooled connection: the fast path reserves the backend and hands the request to a task;
+    the client goes away before that task ever runs."""
+    gateway = Gateway(parse_config({"models": [{"name": "m", "policy": "least_outstanding",
+                                                "backends": [{"url": "http://127.0.0.1:9"}]}]}))
+    backend = gateway.pools["m"].backends[0]
+    client = ClientConnection(gateway, set())
+    client.connection_made(MemoryTransport())
+    body = b'{"model": "m", "prompt": "hi"}'
+    client.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+    assert backend.in_flight == 1  # counted as soon as it was routed
+    client.connection_lost(None)
+    assert backend.in_flight == 0
+    await asyncio.sleep(0.01)  # the cancelled task does not release it a second time
+    assert backend.in_flight == 0
+    await gateway.close()
