@@ -52,8 +52,13 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     init_std: float = 0.1,
     rope_scaling: dict | None = None,
+    sliding_window: int | None = None,
+    config_overrides: dict | None = None,
 ) -> Path:
-    """Write a random `arch` (llama | qwen2 | qwen3 | mistral) model + tokenizer into `path`."""
+    """Write a random `arch` model + tokenizer into `path`: llama | qwen2 | qwen3 | mistral | gemma2 |
+    gemma3 (text) | phi3 | granite. sliding_window: Mistral / Phi-3 on every layer, Gemma on its
+    sliding layers (Gemma 2: every other one; Gemma 3 here: every other one too, sliding_window_pattern
+    2). config_overrides: more fields for the transformers config (multipliers, soft caps, ...)."""
     import torch
     import transformers
 
@@ -74,18 +79,33 @@ def make_tiny_model(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    common.update(config_overrides or {})
+    head_dim = hidden_size // num_heads
     if arch == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0, rope_scaling=rope_scaling)
         cls = transformers.LlamaForCausalLM
     elif arch == "mistral":
-        config = transformers.MistralConfig(**common, sliding_window=None)
+        config = transformers.MistralConfig(**common, sliding_window=sliding_window)
         cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
     elif arch == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=hidden_size // num_heads)
+        config = transformers.Qwen3Config(**common, head_dim=head_dim)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "gemma2":
+        config = transformers.Gemma2Config(**{"head_dim": head_dim, "sliding_window": sliding_window or 4096, **common})
+        cls = transformers.Gemma2ForCausalLM
+    elif arch == "gemma3":
+        config = transformers.Gemma3TextConfig(**{"head_dim": head_dim, "sliding_window": sliding_window or 4096,
+                                                  "sliding_window_pattern": 2, **common})
+        cls = transformers.Gemma3ForCausalLM
+    elif arch == "phi3":
+        config = transformers.Phi3Config(**{"sliding_window": sliding_window, "rope_scaling": rope_scaling, **common})
+        cls = transformers.Phi3ForCausalLM
+    elif arch == "granite":
+        config = transformers.GraniteConfig(**common)
+        cls = transformers.GraniteForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)

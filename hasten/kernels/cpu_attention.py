@@ -30,13 +30,18 @@ def paged_attention(
     scale: float,
     q_tile: int = 8,
     max_group: int = 8,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
     max_group: decode sequences whose block tables start with the same blocks (prefix-cache hits)
     are served by one work item of up to this many sequences that reads each shared block once;
-    the result is bit-identical to max_group=1 (off)."""
+    the result is bit-identical to max_group=1 (off).
+    window > 0: each query token sees only its last `window` keys (sliding-window attention; no
+    prefix groups then). softcap > 0: each scaled score x becomes softcap * tanh(x / softcap)."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
-    return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group)
+    return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
+                               window, softcap)

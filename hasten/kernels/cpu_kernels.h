@@ -23,11 +23,11 @@ std::vector<at::Tensor> int8_pack_rows8(const at::Tensor& qweight, const at::Ten
 at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8, int64_t N);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
-// paged_attention_cpu.cpp
+// paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
-                           int64_t max_group);
+                           int64_t max_group, int64_t window = 0, double softcap = 0.0);
 
 // decoder_ops_cpu.cpp: the glue between a layer's matmuls
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

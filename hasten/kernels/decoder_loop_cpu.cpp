@@ -113,6 +113,7 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   std::optional<at::Tensor> q_norm, k_norm;
   Linear qkv, o, gate_up, down;
+  int64_t window;  // sliding-window attention over the last `window` keys (0: every key)
 };
 
 at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
@@ -149,10 +150,11 @@ class DecoderLoop {
         final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, Linear qkv, Linear o, Linear gate_up, Linear down) {
+                 std::optional<at::Tensor> k_norm, Linear qkv, Linear o, Linear gate_up, Linear down,
+                 int64_t window) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
-                       std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+                       std::move(qkv), std::move(o), std::move(gate_up), std::move(down), window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -184,7 +186,7 @@ class DecoderLoop {
       at::Tensor q = rope_and_cache(qkv, cos_, sin_, positions, slots, k_caches[i], v_caches[i], heads_, kv_heads_);
       timer.mark(kRope);
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], block_tables, query_start,
-                                        context_lens, scale_, 8, attention_group_);
+                                        context_lens, scale_, 8, attention_group_, lw.window);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -250,7 +252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
-        "Paged attention over a block pool (CPU)");
+        arg("window") = 0, arg("softcap") = 0.0, "Paged attention over a block pool (CPU)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, nogil, "h += delta in place, then RMSNorm of each row of h");
   m.def("rope_and_cache", &rope_and_cache, nogil, "rotary embedding of q and k; k and v written to their cache slots");
@@ -265,7 +267,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("scale"), arg("embed"), arg("final_norm"),
            arg("cos"), arg("sin"))
-      .def("add_layer", &DecoderLoop::add_layer)
+      .def("add_layer", &DecoderLoop::add_layer, arg("input_norm"), arg("post_norm"), arg("q_norm"), arg("k_norm"),
+           arg("qkv"), arg("o"), arg("gate_up"), arg("down"), arg("window") = 0,
+           "one layer's weights; window > 0: sliding-window attention over its last `window` keys")
       .def("num_layers", &DecoderLoop::num_layers)
       .def("forward", &DecoderLoop::forward, nogil)
       .def("set_attention_group", &DecoderLoop::set_attention_group,

@@ -8,15 +8,21 @@
 //   block_tables [S, max_blocks] int32     cache blocks of each sequence
 //   query_start  [S + 1] int64             rows of q owned by sequence s: query_start[s] .. [s+1]
 //   context_lens [S] int64                 tokens in the cache for s, counting its new tokens
-// Query token i of a sequence with n new tokens and context c sits at position c - n + i and
-// sees keys 0 .. c - n + i (causal). Returns [T, H * D].
+// Query token i of a sequence with n new tokens and context c sits at position p = c - n + i and
+// sees keys 0 .. p (causal), or with window > 0 only the last `window` of them, p - window + 1 .. p
+// (sliding-window attention; Hugging Face's `kv_idx > q_idx - sliding_window`). softcap > 0
+// replaces each scaled score x by softcap * tanh(x / softcap) (Gemma 2). Returns [T, H * D].
 //
 // Work is split into (sequence, tile of query tokens, kv head) items; the query heads that share
 // a kv head are processed together so each key/value row is loaded once per item. Decode
 // sequences whose tables begin with the same blocks (a shared prompt prefix) form one item of up
 // to `max_group` sequences that reads each shared block once (see Item; max_group < 2: off). Threads take
 // items from a shared counter, so one long prefill cannot stall a thread full of short decodes.
-// Softmax is computed online, block by block (running max and sum), in float32 for any dtype.
+// Softmax is computed online, block by block (running max and sum), in float32 for any dtype; the
+// arithmetic is in attention_math.h. Calls with a window or a soft cap take a general path (each
+// tile starts at the first block its window reaches; no prefix groups); plain causal calls keep a
+// path of their own, written as before windows existed: decode attention is memory-bound and was
+// ~20 % slower when the compiler saw the window arithmetic in the shared loop, even at window 0.
 
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
@@ -25,295 +31,17 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
-#include "float_tiles.h"
+#include "attention_math.h"
 
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
 #endif
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-// exp(x) for x <= 0 in plain arithmetic so loops that call it vectorize: 2^(x*log2 e) split into an
-// integer power (built in the float exponent bits) and a degree-6 polynomial on [0, 1)
-// (relative error < 1e-7).
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.4426950408889634f;
-  const float fi = __builtin_floorf(t);
-  const float f = t - fi;
-  float p = 2.187750486e-04f;
-  p = p * f + 1.238782145e-03f;
-  p = p * f + 9.684580455e-03f;
-  p = p * f + 5.548042632e-02f;
-  p = p * f + 2.402305020e-01f;
-  p = p * f + 6.931469287e-01f;
-  p = p * f + 1.000000003e+00f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// One query row against `n` keys/values (rows `stride` floats apart): online-softmax update of
-// the row's running max `m`, sum `l` and output accumulator `acc`. `s` is scratch for n scores.
-inline void update_row_generic(const float* q, const float* k, const float* v, int64_t stride, int64_t n, int64_t D,
-                               float* s, float& m, float& l, float* acc) {
-  float mx = m;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = dot(q, k + j * stride, D);
-    mx = s[j] > mx ? s[j] : mx;
-  }
-  const float corr = exp_nonpositive(m - mx);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = exp_nonpositive(s[j] - mx);
-    sum += s[j];
-  }
-  l = l * corr + sum;
-  m = mx;
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-  for (int64_t j = 0; j < n; ++j) {
-    const float p = s[j];
-    const float* vrow = v + j * stride;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += p * vrow[d];
-  }
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-using hasten_tiles::hsum;
-
-// 8 cache values widened to float32 as they are loaded (no conversion pass over the block).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-#if defined(__F16C__)
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
-inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-
-// NR query rows (D floats apart) against n keys; scores go to s[r * s_stride + j].
-// NK keys per pass so each loaded key chunk feeds NR fused multiply-adds; with NK = 4 the four
-// sums of a row are reduced together (two rounds of horizontal adds) instead of one by one.
-template <int NR, int NK, typename C>
-inline void scores_avx2(const float* q, const C* k, int64_t stride, int64_t n, int64_t D, float* s,
-                        int64_t s_stride) {
-  int64_t j = 0;
-  for (; j + NK <= n; j += NK) {
-    __m256 a[NR][NK];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < NK; ++c) a[r][c] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 kv[NK];
-      for (int c = 0; c < NK; ++c) kv[c] = load8(k + (j + c) * stride + d);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 qv = _mm256_loadu_ps(q + r * D + d);
-        for (int c = 0; c < NK; ++c) a[r][c] = _mm256_fmadd_ps(qv, kv[c], a[r][c]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      if constexpr (NK == 4) {
-        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
-        _mm_storeu_ps(s + r * s_stride + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-      } else {
-        for (int c = 0; c < NK; ++c) s[r * s_stride + j + c] = hsum(a[r][c]);
-      }
-    }
-  }
-  for (; j < n; ++j) {
-    for (int r = 0; r < NR; ++r) {
-      __m256 a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), load8(k + j * stride + d), a);
-      s[r * s_stride + j] = hsum(a);
-    }
-  }
-}
-
-// acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v[j] for NR rows. VC vectors of d per pass stay in
-// registers across all n keys, so each key costs NR broadcasts and VC loads for NR * VC FMAs.
-template <int NR, typename C>
-inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
-                            const float* corr, float* acc) {
-  constexpr int VC = NR <= 3 ? 4 : 2;
-  int64_t d = 0;
-  for (; d + 8 * VC <= D; d += 8 * VC) {
-    __m256 a[NR][VC];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < VC; ++c)
-        a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * c), _mm256_set1_ps(corr[r]));
-    for (int64_t j = 0; j < n; ++j) {
-      __m256 pv[NR];
-      for (int r = 0; r < NR; ++r) pv[r] = _mm256_set1_ps(p[r * p_stride + j]);
-      const C* vr = v + j * stride + d;
-      for (int c = 0; c < VC; ++c) {
-        const __m256 vv = load8(vr + 8 * c);
-        for (int r = 0; r < NR; ++r) a[r][c] = _mm256_fmadd_ps(pv[r], vv, a[r][c]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < VC; ++c) _mm256_storeu_ps(acc + r * D + d + 8 * c, a[r][c]);
-  }
-  for (; d < D; d += 8) {
-    __m256 a[NR];
-    for (int r = 0; r < NR; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(corr[r]));
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 vv = load8(v + j * stride + d);
-      for (int r = 0; r < NR; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * p_stride + j]), vv, a[r]);
-    }
-    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc + r * D + d, a[r]);
-  }
-}
-
-// exp_nonpositive on 8 lanes, the same operations in the same order (so the same values): GCC
-// left the scalar loop below unvectorized, and the softmax's exps were then the kernel's hottest
-// instructions (decode at 16 sequences x 330 tokens).
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
-  const __m256 fi = _mm256_floor_ps(t);
-  const __m256 f = _mm256_sub_ps(t, fi);
-  __m256 p = _mm256_set1_ps(2.187750486e-04f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.238782145e-03f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(9.684580455e-03f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(5.548042632e-02f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(2.402305020e-01f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(6.931469287e-01f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(1.000000003e+00f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// max(m, s[0], ..., s[n - 1]) (a max is exact, so the order does not matter)
-inline float running_max(const float* s, int64_t n, float m) {
-  int64_t j = 0;
-  float mx = m;
-  if (n >= 8) {
-    __m256 v = _mm256_loadu_ps(s);
-    for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    mx = std::max(mx, _mm_cvtss_f32(h));
-  }
-  for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
-  return mx;
-}
-
-// s[j] = exp(s[j] - mx) for j < n; returns their sum (8 lanes at a time, then the tail).
-inline float exp_shifted_sum(float* s, int64_t n, float mx) {
-  const __m256 vm = _mm256_set1_ps(mx);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float sum = hsum(acc);
-  for (; j < n; ++j) {
-    s[j] = exp_nonpositive(s[j] - mx);
-    sum += s[j];
-  }
-  return sum;
-}
-
-template <int NR, typename C>
-inline void update_rows_avx2(const float* q, const C* k, const C* v, int64_t stride, int64_t n, int64_t D,
-                             float* s, int64_t s_stride, float* m, float* l, float* acc) {
-  constexpr int NK = NR <= 3 ? 4 : 2;
-  scores_avx2<NR, NK>(q, k, stride, n, D, s, s_stride);
-  float corr[NR];
-  for (int r = 0; r < NR; ++r) {
-    float* sr = s + r * s_stride;
-    const float mx = running_max(sr, n, m[r]);
-    corr[r] = exp_nonpositive(m[r] - mx);
-    l[r] = l[r] * corr[r] + exp_shifted_sum(sr, n, mx);
-    m[r] = mx;
-  }
-  accumulate_avx2<NR>(v, stride, n, D, s, s_stride, corr, acc);
-}
-#endif
-
-// Whether update_rows reads a cache of type C in place (else attend_item widens it to float first).
-template <typename C>
-constexpr bool reads_in_place() {
-  if constexpr (std::is_same_v<C, float>) return true;
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<C, at::BFloat16>) return true;
-#if defined(__F16C__)
-  if constexpr (std::is_same_v<C, at::Half>) return true;
-#endif
-#endif
-  return false;
-}
-
-// `rows` query rows (D floats apart) that see the same `n` keys/values (rows `stride` values
-// apart): online-softmax update of their running max m, sum l and output accumulators acc.
-// C is float, or (in-place readers only, D % 8 == 0) the narrower cache type.
-template <typename C>
-inline void update_rows(const float* q, int64_t rows, const C* k, const C* v, int64_t stride, int64_t n,
-                        int64_t D, float* s, int64_t s_stride, float* m, float* l, float* acc) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, rows - r0);
-      float* sr = s + r0 * s_stride;
-      const float* qr = q + r0 * D;
-      float* ar = acc + r0 * D;
-      switch (nr) {
-        case 1: update_rows_avx2<1>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
-        case 2: update_rows_avx2<2>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
-        case 3: update_rows_avx2<3>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
-        default: update_rows_avx2<4>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar); break;
-      }
-    }
-    return;
-  }
-#endif
-  if constexpr (std::is_same_v<C, float>) {
-    for (int64_t r = 0; r < rows; ++r)
-      update_row_generic(q + r * D, k, v, stride, n, D, s + r * s_stride, m[r], l[r], acc + r * D);
-  } else {
-    TORCH_CHECK(false, "internal: narrow cache reached the portable attention path");
-  }
-}
-
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX2__)
-  if constexpr (std::is_same_v<T, at::Half>) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {  // bfloat16 is the top half of a float32
-    for (; i + 8 <= n; i += 8) {
-      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using namespace hasten_attention;
 
 // Ask for the next cache block while this one is being computed on (its rows are scattered in
 // memory, so the hardware prefetcher cannot guess them).
@@ -350,6 +78,8 @@ struct Scratch {
 struct Shape {
   int64_t H, KVH, G, D, BS, max_blocks;
   float scale;
+  int64_t window;  // > 0: each query sees its last `window` keys only
+  float softcap;   // > 0: scores soft-capped (both: the general path, attend_item<..., true>)
 };
 
 // One sequence's part of an item: query tokens [q_begin, q_end), whose rows start at scratch row `row0`.
@@ -357,7 +87,7 @@ struct Segment {
   int64_t seq, q_begin, q_end, row0;
 };
 
-template <typename scalar_t, typename cache_t>
+template <typename scalar_t, typename cache_t, bool kGeneral, bool kCap>
 void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, const cache_t* kp, const cache_t* vp,
                  const int32_t* tables, const int64_t* qstart, const int64_t* ctx_lens, scalar_t* outp,
                  const Shape& sh, Scratch& sc) {
@@ -392,6 +122,11 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
   auto last_key = [&](const Segment& sg) {  // newest key any row of the segment may see
     return ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_end - 1;
   };
+  auto first_block = [&](const Segment& sg) {  // oldest block any row of the segment may see
+    if (sh.window <= 0) return int64_t{0};
+    const int64_t first_key = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_begin - sh.window + 1;
+    return std::max<int64_t>(0, first_key) / BS;
+  };
   // Block b of one segment: every token of it attends over the keys it may see in the block.
   auto attend = [&](const Segment& sg, int64_t b) {
     const int64_t first_pos = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]);
@@ -400,13 +135,30 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     const int64_t base = block_base(sg, b);
     auto attend_block = [&](const auto* krows, const auto* vrows, int64_t stride) {
       for (int64_t t = 0; t < sg.q_end - sg.q_begin; ++t) {
-        // keys this token may see inside the block (causal limit)
-        const int64_t visible = std::min<int64_t>(in_block, first_pos + sg.q_begin + t - key0 + 1);
-        if (visible <= 0) continue;
-        for (int64_t h = 0; h < nh; ++h) {
-          const int64_t r = sg.row0 + t * token_rows + h * G;
-          update_rows(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
-                      sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D);
+        if constexpr (!kGeneral) {
+          // keys this token may see inside the block (causal limit)
+          const int64_t visible = std::min<int64_t>(in_block, first_pos + sg.q_begin + t - key0 + 1);
+          if (visible <= 0) continue;
+          for (int64_t h = 0; h < nh; ++h) {
+            const int64_t r = sg.row0 + t * token_rows + h * G;
+            update_rows<false>(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
+                               sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D,
+                               0.0f);
+          }
+        } else {
+          // keys [skip, visible) of the block are the ones this token may see (window, causal limit)
+          const int64_t pos = first_pos + sg.q_begin + t;
+          const int64_t visible = std::min<int64_t>(in_block, pos - key0 + 1);
+          const int64_t skip = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1 - key0) : 0;
+          const int64_t n = visible - skip;
+          if (n <= 0) continue;
+          const int64_t off = skip * stride;
+          for (int64_t h = 0; h < nh; ++h) {
+            const int64_t r = sg.row0 + t * token_rows + h * G;
+            update_rows<kCap>(sc.q.data() + r * D, G, krows + off + h * D, vrows + off + h * D, stride, n, D,
+                              sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D,
+                              sh.softcap);
+          }
         }
       }
     };
@@ -437,7 +189,8 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     for (int64_t si = 0; si < nseg; ++si) attend(segs[si], b);
   });
   for (int64_t si = 0; si < nseg; ++si)
-    walk(segs[si], it.shared, last_key(segs[si]) / BS + 1, [&](int64_t b) { attend(segs[si], b); });
+    walk(segs[si], kGeneral ? std::max(it.shared, first_block(segs[si])) : it.shared, last_key(segs[si]) / BS + 1,
+         [&](int64_t b) { attend(segs[si], b); });
 
   for (int64_t si = 0; si < nseg; ++si) {
     const Segment& sg = segs[si];
@@ -507,16 +260,19 @@ inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
-         at::Tensor& out) {
-  Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
-           static_cast<float>(scale)};
+         int64_t window, double softcap, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
+  const int64_t* cl = ctx_lens.data_ptr<int64_t>();
+  if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
+  Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
+           static_cast<float>(scale), window, static_cast<float>(softcap)};
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
   int64_t decodes = 0;
   for (int64_t s = 0; s < S; ++s) decodes += qs[s + 1] - qs[s] == 1;
-  // at most max_group members, and groups small enough that every thread gets two or more
-  const int64_t max_members = std::min(max_group, (decodes + 2 * threads - 1) / (2 * threads));
+  // at most max_group members, and groups small enough that every thread gets two or more; none
+  // under a window (a member would walk shared blocks its window may not reach)
+  const int64_t max_members = window > 0 ? 1 : std::min(max_group, (decodes + 2 * threads - 1) / (2 * threads));
   const Groups groups = find_groups(tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(), S, sh.BS,
                                     sh.max_blocks, max_members);
   int64_t tiles = static_cast<int64_t>(groups.spans.size());
@@ -545,10 +301,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     Scratch scratch(rows, sh.BS, heads_per_item * sh.D);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-        attend_item<scalar_t, cache_t>(items[i], groups.members.data(), q.data_ptr<scalar_t>(),
-                                       k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
-                                       tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(),
-                                       out.data_ptr<scalar_t>(), sh, scratch);
+        // the plain causal path compiles as it did before windows and soft caps existed (its speed is
+        // sensitive to the compiler's view of it); a soft cap, or a window shorter than the item's
+        // context, takes the general one
+        auto item = softcap > 0.0 ? attend_item<scalar_t, cache_t, true, true>
+                    : window > 0 && cl[items[i].seq] > window ? attend_item<scalar_t, cache_t, true, false>
+                                                              : attend_item<scalar_t, cache_t, false, false>;
+        item(items[i], groups.members.data(), q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+             v_cache.data_ptr<cache_t>(), tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(),
+             out.data_ptr<scalar_t>(), sh, scratch);
       }
     }
   });
@@ -559,7 +320,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
-                           int64_t max_group) {
+                           int64_t max_group, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -594,13 +355,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  out);
+                                  window, softcap, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  out);
+                                  window, softcap, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  out);
+                                  window, softcap, out);
   });
   return out;
 }

@@ -1,16 +1,48 @@
-"""One ModelConfig for every supported decoder, built from a HF config.json dict."""
+"""One ModelConfig for every supported decoder, built from a HF config.json dict.
+
+The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) is the base; the other families
+(Gemma 2 / 3, Phi-3 / Phi-4, Granite) are the same decoder with a few switches, read from their
+configs by hasten/model/gemma.py, phi3.py and granite.py.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten.model.gemma import gemma_fields
+from hasten.model.granite import granite_fields
+from hasten.model.phi3 import phi3_fields, phi3_rope_config
+from hasten.model.rope_params import RopeSpec, rope_from_hf
+
+# HF architecture name -> family; the families the decoder serves
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "GraniteForCausalLM": "granite",
 }
+# config.json "model_type" -> family, for configs without "architectures"
+MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+    "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite",
+}
+# family -> the models it covers (`hasten models`)
+FAMILY_MODELS = {
+    "llama": "Llama 2 / 3.x, SmolLM2 and other Llama-architecture models",
+    "mistral": "Mistral (sliding_window on every layer when the config sets it)",
+    "qwen2": "Qwen2, Qwen2.5 (sliding window with use_sliding_window)",
+    "qwen3": "Qwen3 dense models (q/k norms)",
+    "gemma2": "Gemma 2 (GeGLU, sandwich norms, soft-capping, alternating sliding-window layers)",
+    "gemma3": "Gemma 3 text-only (q/k norms, local RoPE theta on the sliding-window layers)",
+    "phi3": "Phi-3 / Phi-3.5-mini, Phi-4, Phi-4-mini (fused projections, partial rotary, LongRoPE)",
+    "granite": "Granite 3.x dense (embedding / attention / residual / logits multipliers)",
+}
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 @dataclass
@@ -28,43 +60,37 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3, Gemma 3)
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # What sets the other families apart; the defaults are the Llama family's.
+    hidden_act: str = "silu"  # MLP gate activation: silu | gelu_tanh (GeGLU, Gemma) | gelu
+    mlp_bias: bool = False
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): 1.0 for Gemma
+    sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
+    embed_scale: float = 1.0  # embeddings times this: sqrt(hidden) for Gemma, embedding_multiplier for Granite
+    residual_scale: float = 1.0  # Granite's residual_multiplier on each branch before its residual add
+    attn_scale: float | None = None  # scores times this; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    rotary_dim: int = 0  # dims of each head RoPE rotates (partial rotary); 0: all of them
+    layer_windows: list[int] = field(default_factory=list)  # per layer: sliding window (0: every key); [] none
+    local_rope_theta: float | None = None  # Gemma 3: RoPE theta of the sliding-window layers
+    local_rope_scaling: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
-        if family is None:
-            family = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
-                cfg.get("model_type", "")
-            )
-        if family is None:
-            raise ValueError(
-                f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHS)}"
-            )
+        family = family_of(cfg)
+        if family == "phi3":
+            cfg = phi3_rope_config(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
-        if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ValueError(f"unsupported rope scaling {kind!r}")
-            if kind == "default":
-                rope_scaling = None
-        return cls(
+        rope_theta, rope_scaling = rope_from_hf(cfg)
+        fields: dict[str, Any] = dict(
             arch=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -72,9 +98,9 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
@@ -82,7 +108,80 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
+        if family in ("gemma2", "gemma3"):
+            fields.update(gemma_fields(cfg, family))
+        elif family == "phi3":
+            fields.update(phi3_fields(cfg, fields["head_dim"]))
+        elif family == "granite":
+            fields.update(granite_fields(cfg))
+        fields["hidden_act"] = activation(fields["hidden_act"])
+        fields["layer_windows"] = layer_windows(cfg, family, fields["num_layers"])
+        return cls(**fields)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: the layer attends to every earlier key)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rope_spec(self, local: bool = False) -> RopeSpec:
+        """The RoPE of the global layers, or (local=True, Gemma 3) of the sliding-window layers."""
+        rd = self.rotary_dim or self.head_dim
+        if local and self.local_rope_theta is not None:
+            return RopeSpec(self.local_rope_theta, rd, self.local_rope_scaling, self.max_position_embeddings)
+        return RopeSpec(self.rope_theta, rd, self.rope_scaling, self.max_position_embeddings)
+
+    def uses_local_rope(self, layer: int) -> bool:
+        return self.local_rope_theta is not None and self.window(layer) > 0
+
+
+def family_of(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    family = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+    if family is None:
+        family = MODEL_TYPES.get(cfg.get("model_type", ""))
+    if family is None:
+        name = ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
+        raise ValueError(f"unsupported model architecture {name}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    return family
+
+
+def activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported MLP activation {name!r}; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def layer_windows(cfg: dict[str, Any], family: str, num_layers: int) -> list[int]:
+    """Each layer's sliding window: `sliding_window` on the layers `layer_types` marks
+    "sliding_attention", or the family's default pattern (Gemma 2: every other layer starting with
+    the first; Gemma 3: all but every `sliding_window_pattern`-th; Qwen2/3: the layers from
+    max_window_layers on, only with use_sliding_window; Mistral, Phi-3 and others: every layer)."""
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return []
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family == "gemma2":
+        sliding = [(i + 1) % 2 != 0 for i in range(num_layers)]
+    elif family == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif family in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", num_layers))
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    return [int(window) if s else 0 for s in sliding]

@@ -1,32 +1,32 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder over a paged KV cache: the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) and
+the families that differ from it by a few switches in ModelConfig (Gemma 2 / 3, Phi-3 / Phi-4, Granite).
 
-Weights are held in small dataclasses; every projection is a callable built by a
-`LinearFactory` (float by default, quantized layouts from hasten.quant). q/k/v and gate/up
-are fused into one matmul each.
+Weights are held in small dataclasses (hasten/model/weights.py); every projection is a callable
+built by a `LinearFactory` (float by default, quantized layouts from hasten.quant). q/k/v and
+gate/up are fused into one matmul each. Per layer the decoder knows its sliding window (0: none)
+and its RoPE table (Gemma 3's sliding-window layers have their own theta).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from hasten.model.config import ModelConfig
-from hasten.model.layers import AttentionMetadata, RotaryEmbedding, apply_rope, paged_attention, rms_norm
+from hasten.model.layers import AttentionMetadata, paged_attention, rms_norm
 from hasten.model.linear import LinearFactory, LinearLayer, dense_factory
+from hasten.model.rope import RotaryEmbedding, apply_rope
+from hasten.model.weights import LayerWeights, StateReader, load_layer
 
+__all__ = ["Decoder", "LayerWeights"]
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv_proj: LinearLayer  # fused [q; k; v] rows (with bias for Qwen2)
-    o_proj: LinearLayer
-    gate_up_proj: LinearLayer  # fused [gate; up] rows
-    down_proj: LinearLayer
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
+ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 class Decoder:
@@ -47,7 +47,8 @@ class Decoder:
         fused_ops: run the glue between matmuls (norms, RoPE + cache write, SiLU-mul, residual adds)
         as hasten's C++ ops (hasten/kernels/decoder_ops_cpu.cpp) when they build; else PyTorch ops.
         native_loop: with fused_ops and the C++ attention kernel, run the whole layer loop in C++
-        (hasten/kernels/decoder_loop_cpu.cpp: same calls, bit-identical, minus Python's overhead).
+        (hasten/kernels/decoder_loop_cpu.cpp: same calls, bit-identical, minus Python's overhead)
+        for the models it covers (hasten/model/native_loop.py).
         attention_group: the C++ attention kernel's max_group (decode sequences that share prefix
         blocks read them once; bit-identical; < 2 switches it off).
         """
@@ -59,40 +60,23 @@ class Decoder:
 
             self.ops = decoder_ops.load()
         make = linear_factory or dense_factory
-
-        def take(name: str) -> torch.Tensor:
-            if name not in state:
-                raise KeyError(f"weight {name!r} missing from checkpoint")
-            return state[name].to(dtype).contiguous()
-
-        def maybe(name: str) -> torch.Tensor | None:
-            return take(name) if name in state else None
-
-        self.embed = take("model.embed_tokens.weight")
-        self.final_norm = take("model.norm.weight")
-        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else take("lm_head.weight")
+        reader = StateReader(state, dtype, cfg.norm_offset)
+        self.embed = reader.take("model.embed_tokens.weight")
+        self.final_norm = reader.norm("model.norm.weight")
+        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in reader else reader.take("lm_head.weight")
         self.lm_head: LinearLayer = make("lm_head", head, None) if quantize_lm_head else dense_factory("lm_head", head, None)
-        self.layers: list[LayerWeights] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            qkv_bias = torch.cat(biases) if biases[0] is not None else None
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            self.layers.append(
-                LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    qkv_proj=make(f"layers.{i}.qkv_proj", qkv.contiguous(), qkv_bias),
-                    o_proj=make(f"layers.{i}.o_proj", take(p + "self_attn.o_proj.weight"), None),
-                    gate_up_proj=make(f"layers.{i}.gate_up_proj", gate_up.contiguous(), None),
-                    down_proj=make(f"layers.{i}.down_proj", take(p + "mlp.down_proj.weight"), None),
-                    q_norm=maybe(p + "self_attn.q_norm.weight"),
-                    k_norm=maybe(p + "self_attn.k_norm.weight"),
-                )
-            )
-        self.rope = RotaryEmbedding(cfg, max_len, dtype)
-        self.scale = cfg.head_dim**-0.5
+        self.layers: list[LayerWeights] = [load_layer(cfg, reader, i, make) for i in range(cfg.num_layers)]
+        self.rope = RotaryEmbedding(cfg.rope_spec(), max_len, dtype)  # the global layers' (the only one mostly)
+        local = RotaryEmbedding(cfg.rope_spec(local=True), max_len, dtype) if cfg.local_rope_theta is not None else None
+        self.layer_ropes = [local if local is not None and cfg.uses_local_rope(i) else self.rope
+                            for i in range(cfg.num_layers)]
+        # a window that covers max_len changes nothing: 0 keeps the kernel's prefix groups
+        self.windows = [w if 0 < w < max_len else 0 for w in (cfg.window(i) for i in range(cfg.num_layers))]
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.softcap = float(cfg.attn_softcap or 0.0)
+        # Gemma rounds sqrt(hidden) to the model dtype before multiplying, as transformers does
+        self.embed_scale = torch.tensor(cfg.embed_scale).to(dtype) if cfg.embed_scale != 1.0 else None
+        self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.attention_group = attention_group
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
         if native_loop and self.ops is not None:
@@ -104,10 +88,47 @@ class Decoder:
 
     # ---------------------------------------------------------------- forward
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed[input_ids]
+        return h * self.embed_scale if self.embed_scale is not None else h
+
+    def _branch(self, delta: torch.Tensor) -> torch.Tensor:
+        """A residual branch's output as it is added (Granite scales it)."""
+        scale = self.cfg.residual_scale
+        return delta * scale if scale != 1.0 else delta
+
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate_up = lw.gate_up_proj(x)
         inter = gate_up.shape[-1] // 2
-        return lw.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return lw.down_proj(self.act(gate_up[:, :inter]) * gate_up[:, inter:])
+
+    def _attend(self, i: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
+                               window=self.windows[i], softcap=self.softcap)
+
+    def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                        caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """PyTorch RoPE of q and k (full or partial), k and v written to their cache slots; returns q [T, H, D]."""
+        cfg = self.cfg
+        t, heads, kv_heads, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        split = (heads + kv_heads) * d
+        qk = apply_rope(qkv[:, :split].reshape(t, heads + kv_heads, d), cos, sin)  # q and k heads rotated together
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, split:].reshape(t, kv_heads, d)
+        k_cache, v_cache = caches
+        flat_k = k_cache.view(-1, kv_heads, d)
+        flat_v = v_cache.view(-1, kv_heads, d)
+        flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+        return q
+
+    def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) rows for `positions`, looked up once per table."""
+        looked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rope in self.layer_ropes:
+            if id(rope) not in looked:
+                looked[id(rope)] = rope.lookup(positions)
+        return [looked[id(rope)] for rope in self.layer_ropes]
 
     def forward(
         self,
@@ -123,31 +144,27 @@ class Decoder:
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
-        t = input_ids.shape[0]
-        cos, sin = self.rope.lookup(positions)
+        eps, t = cfg.rms_norm_eps, input_ids.shape[0]
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        h = self.embed[input_ids]
-        for lw, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        tables = self._rope_tables(positions)
+        h = self._embed(input_ids)
+        for i, (lw, caches) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = rms_norm(h, lw.input_norm, eps)
             qkv = lw.qkv_proj(x)
-            v = qkv[:, qd + kd :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            if lw.q_norm is not None:
-                q = rms_norm(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(qkv[:, qd : qd + kd].reshape(t, cfg.num_kv_heads, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps)
-                qk = torch.cat([q, k], dim=1)
-            else:
-                qk = qkv[:, : qd + kd].reshape(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            flat_k = k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            flat_v = v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
-            attn = paged_attention(q, k_cache, v_cache, meta, cfg.num_kv_heads, self.scale, self.attention_group)
-            h = h + lw.o_proj(attn)
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            h = h + self._mlp(lw, x)
-        return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+            if lw.q_norm is not None:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+                q = rms_norm(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), lw.q_norm, eps).reshape(t, qd)
+                k = rms_norm(qkv[:, qd : qd + kd].reshape(t, cfg.num_kv_heads, cfg.head_dim), lw.k_norm, eps).reshape(t, kd)
+                qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
+            q = self._rope_and_cache(qkv, *tables[i], meta.slot_mapping, caches)
+            o = lw.o_proj(self._attend(i, q, caches, meta))
+            if lw.attn_out_norm is not None:
+                o = rms_norm(o, lw.attn_out_norm, eps)
+            h = h + self._branch(o)
+            m = self._mlp(lw, rms_norm(h, lw.post_norm, eps))
+            if lw.mlp_out_norm is not None:
+                m = rms_norm(m, lw.mlp_out_norm, eps)
+            h = h + self._branch(m)
+        return rms_norm(h, self.final_norm, eps)
 
     def _forward_fused(
         self,
@@ -156,31 +173,55 @@ class Decoder:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """forward() with the glue in C++: per layer 4 matmuls, attention and 4 small fused calls."""
+        """forward() with the glue in C++: per layer 4 matmuls, attention and 4 small fused calls
+        (a few more for the switches of Gemma and Granite; partial rotary rotates in PyTorch)."""
         cfg, ops = self.cfg, self.ops
         eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qd, kd = heads * d, kv_heads * d
         slots = meta.slot_mapping
-        h = self.embed[input_ids]  # the residual stream, updated in place by add_rms_norm
+        partial = cfg.rotary_dim not in (0, d)
+        tables = self._rope_tables(positions) if partial else None
+        h = self._embed(input_ids)  # the residual stream, updated in place by add_rms_norm
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
-        for i, (lw, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i, (lw, caches) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = _contiguous(lw.qkv_proj(x))
-            if lw.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            if lw.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
                 t = qkv.shape[0]
                 q = ops.rms_norm(qkv[:, :qd].reshape(-1, d), lw.q_norm, eps).view(t, qd)
                 k = ops.rms_norm(qkv[:, qd : qd + kd].reshape(-1, d), lw.k_norm, eps).view(t, kd)
                 qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
-            q = ops.rope_and_cache(qkv, self.rope.cos, self.rope.sin, positions, slots, k_cache, v_cache, heads, kv_heads)
-            attn = paged_attention(q, k_cache, v_cache, meta, kv_heads, self.scale, self.attention_group)
-            x = ops.add_rms_norm(h, _contiguous(lw.o_proj(attn)), lw.post_norm, eps)
-            down = _contiguous(lw.down_proj(ops.silu_mul(_contiguous(lw.gate_up_proj(x)))))
+            if tables is not None:
+                q = self._rope_and_cache(qkv, *tables[i], slots, caches)
+            else:
+                rope = self.layer_ropes[i]
+                q = ops.rope_and_cache(qkv, rope.cos, rope.sin, positions, slots, caches[0], caches[1], heads, kv_heads)
+            o = _contiguous(lw.o_proj(self._attend(i, q, caches, meta)))
+            if lw.attn_out_norm is not None:
+                o = ops.rms_norm(o, lw.attn_out_norm, eps)
+            x = ops.add_rms_norm(h, self._branch(o), lw.post_norm, eps)
+            gate_up = _contiguous(lw.gate_up_proj(x))
+            if cfg.hidden_act == "silu":
+                act = ops.silu_mul(gate_up)
+            else:
+                inter = gate_up.shape[-1] // 2
+                act = self.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            down = _contiguous(lw.down_proj(act))
+            if lw.mlp_out_norm is not None:
+                down = ops.rms_norm(down, lw.mlp_out_norm, eps)
             norm = self.final_norm if i == last else self.layers[i + 1].input_norm
-            x = ops.add_rms_norm(h, down, norm, eps)
+            x = ops.add_rms_norm(h, self._branch(down), norm, eps)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits [rows, vocab]: Granite divides them by logits_scaling, Gemma 2 soft-caps them."""
+        out = self.lm_head(hidden).float()
+        cfg = self.cfg
+        if cfg.logits_divisor != 1.0:
+            out = out / cfg.logits_divisor
+        if cfg.final_softcap:
+            out = torch.tanh(out / cfg.final_softcap) * cfg.final_softcap
+        return out
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,17 @@
-"""Building blocks of the decoder: norms, rotary embeddings, paged attention on CPU."""
+"""Building blocks of the decoder: norms, paged attention on CPU (rotary embeddings: hasten/model/rope.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from hasten.kernels import cpu_attention
-from hasten.model.config import ModelConfig
+from hasten.model.rope import RotaryEmbedding, apply_rope
+
+__all__ = ["AttentionGroup", "AttentionMetadata", "RotaryEmbedding", "apply_rope", "paged_attention", "rms_norm",
+           "resolve_attention_backend", "single_sequence_metadata"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,60 +24,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen = old_len / low
-        high_wavelen = old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling {kind!r}")
-
-
-class RotaryEmbedding:
-    """cos/sin tables for every position up to max_len, looked up by position ids."""
-
-    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype):
-        inv_freq = rope_inv_freq(cfg)
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotate-half convention (HF)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 @dataclass
 class AttentionGroup:
     """Sequences attended together in one padded SDPA call.
 
     token_index: [B, Lq] rows of the flat token batch (padding repeats a valid row)
     block_tables: [B, max_blocks] cache blocks of each sequence
-    mask: [B, 1, Lq, Lk] boolean, True where a query may see a key (None: no masking needed)
+    mask: [B, 1, Lq, Lk] boolean, True where a query may see a key (None: no masking needed).
+    Each row of the causal mask is a prefix of the keys (query at position p: keys 0 .. p; a padded
+    query row: some prefix too), which is how window_mask() finds each query's position.
     """
 
     token_index: torch.Tensor
@@ -83,6 +40,18 @@ class AttentionGroup:
     mask: torch.Tensor | None
     flat_valid_index: torch.Tensor  # positions in the [B*Lq] padded layout that hold real tokens
     flat_token_index: torch.Tensor  # the flat-batch rows those real tokens belong to
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # window -> mask, per step
+
+    def window_mask(self, window: int, lk: int) -> torch.Tensor:
+        """The causal mask narrowed to each query's last `window` keys (built once per step and window)."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            b, lq = self.token_index.shape
+            causal = self.mask if self.mask is not None else torch.ones(b, 1, 1, lk, dtype=torch.bool)
+            query_pos = causal.sum(-1, keepdim=True) - 1
+            mask = causal & (torch.arange(lk).view(1, 1, 1, lk) > query_pos - window)
+            self.window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -151,16 +120,20 @@ def paged_attention(
     num_kv_heads: int,
     scale: float,
     max_group: int = 8,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached keys/values.
 
     q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] (already holding the new tokens).
     Query heads that share a KV head are folded into the query length, so GQA needs no
-    repeated keys. Returns [T, H*D].
+    repeated keys. window > 0: a query at position p sees keys p - window + 1 .. p only (sliding
+    window). softcap > 0: scores x (already scaled) become softcap * tanh(x / softcap). Returns [T, H*D].
     """
     if meta.block_tables is not None:
-        return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
-                                           max_group=max_group)
+        return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start,
+                                             meta.context_lens, scale, max_group=max_group, window=window,
+                                             softcap=softcap)
     t_total, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     out = q.new_empty(t_total, num_heads * head_dim)
@@ -175,10 +148,16 @@ def paged_attention(
         qg = q.index_select(0, g.token_index.view(-1)).view(b, lq, num_heads, head_dim)
         qg = qg.view(b, lq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(b, num_kv_heads, group * lq, head_dim)
-        mask = g.mask
+        mask = g.window_mask(window, lk) if window > 0 else g.mask
         if mask is not None and group > 1 and lq > 1:
             mask = mask.repeat(1, 1, group, 1)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        if softcap > 0:  # SDPA has no soft cap: the scores spelled out, as transformers' eager path
+            scores = torch.tanh(torch.matmul(qg, k.transpose(-1, -2)) * scale / softcap) * softcap
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.matmul(scores.softmax(-1), v)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         o = o.view(b, num_kv_heads, group, lq, head_dim).permute(0, 3, 1, 2, 4).reshape(b * lq, -1)
         if lq == 1:
             out[g.token_index.view(-1)] = o

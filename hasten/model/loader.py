@@ -128,16 +128,20 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
+# llama.cpp's general.architecture -> the HF architecture a GGUF of it is converted to
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 def gguf_to_hf_config(reader) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
     p = f"{arch}."
     n_heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    hf_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    hf_arch = GGUF_ARCHS[arch]
     cfg = {
         "architectures": [hf_arch],
         "model_type": arch,

@@ -37,10 +37,21 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
     return mod.make_linear("python", [], callable=layer)
 
 
+def loop_covers(model: Decoder) -> bool:
+    """Whether the loop computes this model's layers: the Llama family's layer (q/k norms, biases and
+    a per-layer sliding window included) with one full-width RoPE table. Not (the Python loop runs
+    them): GeGLU, sandwich norms, embedding / residual multipliers, attention soft-capping, partial
+    rotary, per-layer RoPE tables (Gemma 2 / 3, Granite, Phi-4-mini)."""
+    cfg = model.cfg
+    return (cfg.hidden_act == "silu" and not cfg.sandwich_norms and model.embed_scale is None
+            and cfg.residual_scale == 1.0 and not model.softcap and cfg.rotary_dim in (0, cfg.head_dim)
+            and all(rope is model.rope for rope in model.layer_ropes))
+
+
 def build_decoder_loop(model: Decoder) -> Any | None:
     """A DecoderLoop over `model`'s weights, or None when the loop cannot run this model (kernels
-    unavailable, or activations other than float32)."""
-    if model.ops is None or model.dtype != torch.float32:
+    unavailable, activations other than float32, or a layer the loop does not cover)."""
+    if model.ops is None or model.dtype != torch.float32 or not loop_covers(model):
         return None
     from hasten.kernels import quant_linear
 
@@ -50,8 +61,8 @@ def build_decoder_loop(model: Decoder) -> Any | None:
     cfg = model.cfg
     loop = mod.DecoderLoop(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.scale,
                            model.embed, model.final_norm, model.rope.cos, model.rope.sin)
-    for lw in model.layers:
+    for lw, window in zip(model.layers, model.windows, strict=True):
         loop.add_layer(lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, native_linear(mod, lw.qkv_proj),
                        native_linear(mod, lw.o_proj), native_linear(mod, lw.gate_up_proj),
-                       native_linear(mod, lw.down_proj))
+                       native_linear(mod, lw.down_proj), window)
     return loop

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/quant/test_quant_linear_kernel.py",
     "tests/engine/test_attention_kernel.py",
+    "tests/engine/test_arch_attention.py",
     "tests/engine/test_decoder_ops.py",
     "tests/engine/test_native_loop.py",
 ]
