@@ -11,18 +11,30 @@ from starlette.responses import Response
 from hasten.outputs import RequestOutput, TokenLogprobs
 from hasten.server.errors import APIError
 from hasten.server.generation import Plan, SubRequest, check_context, make_params
-from hasten.server.limits import offload
+from hasten.server.limits import encode_large, offload
 from hasten.server.protocol import ChatCompletionRequest, ChatMessage
 from hasten.server.serving import Serving, Streamer, TokenText
 
 
-def chat_prompt(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def chat_prompt(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool,
+                large: bool = False) -> list[int]:
+    """The prompt ids of a conversation. `large` (called in a worker thread for a large body): the
+    template is rendered to text and tokenized by `encode_large`, so that a conversation that cannot fit
+    the context is refused before its ids become a Python list (which holds the GIL)."""
     plain = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
     try:
-        ids = serving.engine.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        if large:
+            text = serving.tokenizer.apply_chat_template(plain, tokenize=False,
+                                                         add_generation_prompt=add_generation_prompt)
+        else:
+            return list(serving.engine.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
     except Exception as exc:  # jinja errors: e.g. a template that rejects this role order
         raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
-    return list(ids)
+
+    def fits(count: int) -> None:
+        check_context(count, 1, serving.max_model_len, "messages")
+
+    return encode_large(serving.tokenizer, text, False, fits)
 
 
 def _entry(text: str, logprob: float) -> dict[str, Any]:
@@ -44,7 +56,7 @@ async def create_chat_completion(serving: Serving, request: Request, req: ChatCo
     serving.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    ids = await offload(large, chat_prompt, serving, req.messages, req.add_generation_prompt)
+    ids = await offload(large, chat_prompt, serving, req.messages, req.add_generation_prompt, large)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, serving.max_model_len - len(ids))

@@ -274,3 +274,21 @@ def test_encode_large_is_encode(fake_tokenizer) -> None:
 
     with pytest.raises(ValueError, match="200000"):
         encode_large(fake_tokenizer, "x" * 200_000, False, refuse)
+
+
+def test_large_conversation_gives_the_same_prompt_ids(fake_tokenizer) -> None:
+    """A large chat body takes the offloaded path (template rendered to text, `encode_large`): the same
+    prompt ids as the small path, and a conversation that cannot fit is refused before its ids exist."""
+    from hasten.server.chat import chat_prompt
+    from hasten.server.protocol import ChatMessage
+
+    engine = FakeAsyncLLM(fake_tokenizer, max_model_len=1 << 20)
+    serving = type("S", (), {"engine": engine, "tokenizer": fake_tokenizer, "max_model_len": 1 << 20})()
+    msgs = [ChatMessage(role="system", content="be brief"),
+            ChatMessage(role="user", content="the quick brown fox " * (OFFLOAD_BYTES // 10))]
+    small = chat_prompt(serving, msgs, True)  # type: ignore[arg-type]
+    assert chat_prompt(serving, msgs, True, large=True) == small  # type: ignore[arg-type]
+    serving.max_model_len = len(small) - 1  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match="maximum context length") as info:
+        chat_prompt(serving, msgs, True, large=True)  # type: ignore[arg-type]
+    assert getattr(info.value, "code", None) == "context_length_exceeded"
