@@ -12,7 +12,10 @@ is set (so `/health` turns 503).
 Logits processors cross the process boundary by pickle: a structured-output processor
 carries what the server's compile worker found cheapest to load - the schema (compiled
 again here, bounded by the worker's measured time) or the serialized grammar - and the
-child loads it once per schema; an unchecked schema never reaches it (see `structured.py`).
+child loads it once per schema, in a thread, holding the request back until it is loaded
+while the step loop goes on; an unchecked schema never reaches it (see `structured.py`).
+The child also reports at least once a second while it has work, for the server's step
+watchdog; a step that raises makes it report the traceback and exit (the server restarts it).
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def _compact(out: RequestOutput, first: bool) -> tuple:
             out.prompt_logprobs if first else None, out.metrics if out.finished else None, out.error)
 
 
+def _grammars_ready(params: SamplingParams) -> bool:
+    return all(getattr(p, "ready", _always)() for p in params.logits_processors)
+
+
+def _always() -> bool:
+    return True
+
+
 def _child_main(conn: Connection) -> None:
     from hasten.config import EngineConfig
     from hasten.engine.engine import LLMEngine
@@ -77,19 +88,29 @@ def _child_main(conn: Connection) -> None:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     seen: set[str] = set()
+    # add commands whose grammars are still loading (in a thread: see ProcessGrammars); the step loop
+    # goes on for everyone else meanwhile
+    held: list[tuple] = []
+
+    def add(cmd: tuple) -> None:
+        _, rid, ids, params, priority, arrival, cache_salt = cmd
+        try:
+            engine.add_request(rid, ids, params, priority, cache_salt, arrival)
+        except Exception as exc:  # invalid for this request only
+            kind = "queue_full" if type(exc).__name__ == "QueueFullError" else (
+                "value" if isinstance(exc, ValueError) else "other")
+            conn.send(("error", rid, kind, str(exc)))
 
     def handle(cmd: tuple) -> bool:
         if cmd[0] == "stop":
             return False
         if cmd[0] == "add":
-            _, rid, ids, params, priority, arrival, cache_salt = cmd
-            try:
-                engine.add_request(rid, ids, params, priority, cache_salt, arrival)
-            except Exception as exc:  # invalid for this request only
-                kind = "queue_full" if type(exc).__name__ == "QueueFullError" else (
-                    "value" if isinstance(exc, ValueError) else "other")
-                conn.send(("error", rid, kind, str(exc)))
+            if _grammars_ready(cmd[3]):
+                add(cmd)
+            else:
+                held.append(cmd)
         elif cmd[0] == "abort":
+            held[:] = [c for c in held if c[1] != cmd[1]]
             engine.abort_request(cmd[1])
             seen.discard(cmd[1])
         return True
@@ -99,7 +120,7 @@ def _child_main(conn: Connection) -> None:
     while True:
         busy = engine.has_unfinished_requests()
         try:
-            if conn.poll(0 if busy else 0.5):
+            if conn.poll(0 if busy else 0.005 if held else 0.5):
                 while True:
                     if not handle(conn.recv()):
                         return
@@ -107,6 +128,9 @@ def _child_main(conn: Connection) -> None:
                         break
         except (EOFError, OSError):
             return  # the server is gone
+        for cmd in [c for c in held if _grammars_ready(c[3])]:
+            held.remove(cmd)
+            add(cmd)
         try:
             outs = engine.step() if engine.has_unfinished_requests() else []
         except Exception:  # the step itself failed (not one request's rows): the server restarts us
@@ -125,7 +149,7 @@ def _child_main(conn: Connection) -> None:
         now = time.monotonic()
         # a busy engine reports at least once a second even when nothing changed: the server's step
         # watchdog reads silence with requests in flight as a stalled engine
-        if msgs or stats != last_stats or (busy and now - last_sent >= _HEARTBEAT_S):
+        if msgs or stats != last_stats or ((busy or held) and now - last_sent >= _HEARTBEAT_S):
             conn.send(("step", msgs, stats))
             last_stats = stats
             last_sent = now

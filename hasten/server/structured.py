@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,11 @@ class Grammar:
     serialized: str | None  # CompiledGrammar.serialize_json(), for a grammar slow to compile
     memory_bytes: int  # CompiledGrammar.memory_size_bytes
     compiled: Any = None
+    error: str | None = None  # why loading it in this process failed (its requests fail alone)
+
+    @property
+    def loaded(self) -> bool:
+        return self.compiled is not None or self.error is not None
 
     @property
     def nbytes(self) -> int:
@@ -131,11 +137,16 @@ class GrammarLogitsProcessor:
         g = self.grammar
         return (_rebuild_processor, (g.digest, g.key if g.serialized is None else "", g.serialized))
 
+    def ready(self) -> bool:
+        """Whether the grammar is loaded (or failed to load) in this process: the engine process holds a
+        request back until then, so that loading a grammar never blocks its step loop."""
+        return self.grammar.loaded
+
     def _reset(self) -> None:
         import xgrammar as xg
 
         if self.grammar.compiled is None:
-            raise RuntimeError("the grammar was not loaded in this process")
+            raise RuntimeError(self.grammar.error or "the grammar was not loaded in this process")
         self.matcher = xg.GrammarMatcher(self.grammar.compiled)
         if self.bitmask is None:
             self.bitmask = xg.allocate_token_bitmask(1, self.vocab_size)
@@ -397,22 +408,43 @@ def wants_grammar(fmt: ResponseFormat | None) -> bool:
 # ---------------------------------------------------------------------------------- engine process
 
 
-@dataclass
 class ProcessGrammars:
-    """In an engine process: grammars that arrive in pickled processors, loaded once per key."""
+    """In an engine process: grammars that arrive in pickled processors, loaded once per key.
 
-    loader: GrammarLoader
-    cache: ByteLRU[Grammar]
-    failures: int = 0
+    Loading (compiling a fast grammar again, or deserializing a slow one) runs in a thread of its own,
+    never in the engine's step loop: a processor comes back at once, and `ready()` tells when its grammar
+    is there (xgrammar releases the GIL while it works)."""
+
+    def __init__(self, loader: GrammarLoader, cache: ByteLRU[Grammar]) -> None:
+        self.loader = loader
+        self.cache = cache
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._loading: dict[str, Grammar] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-load")
 
     def processor(self, digest: str, key: str, serialized: str | None) -> GrammarLogitsProcessor:
-        grammar = self.cache.get(digest)
-        if grammar is None:
-            compiled = self.loader.load(key, serialized)
-            grammar = Grammar(digest, "", None, int(compiled.memory_size_bytes), compiled)
-            self.cache.put(digest, grammar, grammar.nbytes)
+        with self._lock:
+            grammar = self.cache.get(digest) or self._loading.get(digest)
+            if grammar is None:
+                grammar = self._loading[digest] = Grammar(digest, "", None, 0)
+                self._pool.submit(self._load, grammar, key, serialized)
         info = self.loader.info
         return GrammarLogitsProcessor(grammar, info.vocab_size, list(info.stop_token_ids))
+
+    def _load(self, grammar: Grammar, key: str, serialized: str | None) -> None:
+        try:
+            compiled = self.loader.load(key, serialized)
+            grammar.memory_bytes = int(compiled.memory_size_bytes)
+            grammar.compiled = compiled
+        except Exception as exc:  # noqa: BLE001 - reported through the request
+            logger.exception("could not rebuild a grammar in the engine process")
+            grammar.error = f"structured output: could not rebuild the grammar in the engine process ({exc})"
+            self.failures += 1
+        with self._lock:
+            self._loading.pop(grammar.digest, None)
+            if grammar.compiled is not None:
+                self.cache.put(grammar.digest, grammar, grammar.nbytes)
 
 
 _process_grammars: ProcessGrammars | None = None

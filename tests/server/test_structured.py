@@ -8,6 +8,8 @@ import importlib.util
 import json
 import pickle
 import tempfile
+import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from hasten.server.errors import APIError  # noqa: E402
 from hasten.server.grammar_cache import ByteLRU  # noqa: E402
 from hasten.server.grammar_limits import StructuredLimits, check_counts, check_size  # noqa: E402
 from hasten.server.protocol import JsonSchemaSpec, ResponseFormat  # noqa: E402
-from hasten.server.structured import FailedProcessor, GrammarLogitsProcessor, StructuredOutput  # noqa: E402
+from hasten.server.structured import GrammarLogitsProcessor, StructuredOutput  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -277,6 +279,15 @@ def test_size_limits() -> None:
     check_counts(deep, limits)
 
 
+def loaded(proc: Any) -> Any:
+    """The processor once its grammar has loaded in this (engine) process: loading runs in a thread."""
+    for _ in range(1000):
+        if proc.ready():
+            return proc
+        time.sleep(0.01)
+    raise AssertionError("the grammar did not load within 10 s")
+
+
 class NoCompiler:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise AssertionError("the engine process compiled a grammar")
@@ -292,7 +303,7 @@ def test_engine_process_deserializes_a_slow_grammar_and_never_compiles_it(
     monkeypatch.setattr(S, "_process_grammars", None)  # restored after the test
     S.set_process_tokenizer(smollm2_tokenizer)
     monkeypatch.setattr(xgrammar, "GrammarCompiler", NoCompiler)
-    first, second = pickle.loads(data), pickle.loads(data)
+    first, second = loaded(pickle.loads(data)), loaded(pickle.loads(data))
     grammars = S.process_grammars()
     assert grammars is not None and grammars.loader.deserialized == 1 and grammars.loader.compiled == 0
     assert isinstance(first, GrammarLogitsProcessor) and second.grammar is first.grammar  # from its cache
@@ -310,7 +321,7 @@ def test_a_fast_grammar_travels_as_its_schema(st: Structured, smollm2_tokenizer,
     assert len(data) < 2 * len(grammar.key) + 1000
     monkeypatch.setattr(S, "_process_grammars", None)
     S.set_process_tokenizer(smollm2_tokenizer)
-    proc = pickle.loads(data)
+    proc = loaded(pickle.loads(data))
     grammars = S.process_grammars()
     assert grammars is not None and grammars.loader.compiled == 1 and grammars.loader.deserialized == 0
     st.so.load(grammar)
@@ -335,10 +346,31 @@ def test_a_grammar_that_cannot_be_rebuilt_fails_only_its_request(smollm2_tokeniz
     monkeypatch.setattr(S, "_process_grammars", None)
     S.set_process_tokenizer(smollm2_tokenizer)
     for grammar in (S.Grammar("0" * 64, "", "{not json", 0), S.Grammar("1" * 64, '{"type":5}', None, 0)):
-        proc = pickle.loads(pickle.dumps(S.GrammarLogitsProcessor(grammar, 10, [0])))
-        assert isinstance(proc, FailedProcessor)
+        proc = loaded(pickle.loads(pickle.dumps(S.GrammarLogitsProcessor(grammar, 10, [0]))))
         with pytest.raises(RuntimeError, match="could not rebuild the grammar"):
             proc([], torch.zeros(10))
+
+
+def test_loading_a_grammar_never_blocks_the_engine_loop(smollm2_tokenizer, monkeypatch) -> None:
+    """In the engine process a pickled processor comes back at once; its grammar loads in a thread."""
+    monkeypatch.setattr(S, "_process_grammars", None)
+    S.set_process_tokenizer(smollm2_tokenizer)
+    gate = threading.Event()
+    real_load = S.GrammarLoader.load
+
+    def slow_load(self: Any, key: str, serialized: str | None) -> Any:
+        gate.wait(10)
+        return real_load(self, key, serialized)
+
+    monkeypatch.setattr(S.GrammarLoader, "load", slow_load)
+    grammar = S.Grammar("2" * 64, S.schema_text(fmt(PERSON)).decode(), None, 0)
+    t0 = time.perf_counter()
+    proc = pickle.loads(pickle.dumps(S.GrammarLogitsProcessor(grammar, 10, [0])))
+    assert time.perf_counter() - t0 < 1.0 and not proc.ready()
+    twin = pickle.loads(pickle.dumps(S.GrammarLogitsProcessor(grammar, 10, [0])))
+    assert twin.grammar is proc.grammar  # one load per key, also while it is in progress
+    gate.set()
+    assert loaded(proc).grammar.compiled is not None and twin.ready()
 
 
 def test_response_format_through_the_server(client: openai.OpenAI) -> None:
