@@ -19,6 +19,7 @@ from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
+from hasten.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from hasten.model.layers import resolve_attention_backend
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
 from hasten.outputs import CompletionOutput, RequestOutput
@@ -40,24 +41,6 @@ class _Group:
     emitted_logprobs: list[int]
     finished_reported: bool = False
     error: str | None = None  # why the engine failed this request alone (it is then finished)
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's (auto), or a narrower float16 / bfloat16 one
-    (attention still computes in float32; only the stored keys and values are rounded)."""
-    table = {"auto": model_dtype, "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"unsupported kv_cache_dtype {name!r}: use auto, float32, float16 or bfloat16")
-    return table[name]
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    table = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"unsupported dtype {name!r}: use auto, float32 or bfloat16")
-    return table[name]
 
 
 class LLMEngine:

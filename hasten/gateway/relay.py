@@ -25,14 +25,26 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from hasten.gateway.health import BackendState
+    from hasten.gateway.metrics import GatewayMetrics
     from hasten.gateway.pipeline import RequestContext
-    from hasten.gateway.proxy import Proxy
     from hasten.gateway.routing import Pool
     from hasten.gateway.upstream import UpstreamConnection
 
 log = logging.getLogger("hasten.gateway")
 
 _PAUSE_AT = 64  # queued pieces in pull mode before upstream reading is paused
+
+
+class RelayOwner(Protocol):
+    """What a relay needs from the proxy that started it (hasten.gateway.proxy.Proxy)."""
+
+    metrics: GatewayMetrics
+    first_byte_s: float
+    awaiting: set[Relay]  # sent, first byte not in yet (the owner's watchdog enforces first_byte_s)
+    active: set[Relay]  # handed to a client
+
+    def fail(self, pool: Pool, backend: BackendState, kind: str, count_breaker: bool = True,
+             release: bool = True) -> None: ...
 
 
 class ClientSink(Protocol):
@@ -51,7 +63,7 @@ class Relay:
                  "_on_done", "_waiter", "_arrived", "_sent_at", "_out_t", "_sent_first", "_paused", "_is_sse",
                  "_upstream_done", "taps", "finishers")
 
-    def __init__(self, proxy: Proxy, ctx: RequestContext, pool: Pool, backend: BackendState,
+    def __init__(self, proxy: RelayOwner, ctx: RequestContext, pool: Pool, backend: BackendState,
                  conn: UpstreamConnection, span: Any) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[None] | None = None  # created only when awaited (async path)

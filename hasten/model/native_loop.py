@@ -9,14 +9,14 @@ any other layer (oneDNN's packed weights, aten's int4pack, ...) is called back i
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hasten.model.linear import DenseLinear, TiledLinear
 
-if TYPE_CHECKING:
-    from hasten.model.decoder import Decoder
+# The model passed in is a hasten.model.decoder.Decoder (which imports this module when it builds its
+# loop); it is typed `Any` here so that the two modules do not import each other.
 
 
 def native_linear(mod: ModuleType, layer: Any) -> Any:
@@ -37,7 +37,7 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
     return mod.make_linear("python", [], callable=layer)
 
 
-def loop_covers(model: Decoder) -> bool:
+def loop_covers(model: Any) -> bool:
     """Whether the loop computes this model's layers: the Llama family's layer (q/k norms, biases and
     a per-layer sliding window included) with one full-width RoPE table. Not (the Python loop runs
     them): GeGLU, sandwich norms, embedding / residual multipliers, attention soft-capping, partial
@@ -48,7 +48,7 @@ def loop_covers(model: Decoder) -> bool:
             and all(rope is model.rope for rope in model.layer_ropes))
 
 
-def build_decoder_loop(model: Decoder) -> Any | None:
+def build_decoder_loop(model: Any) -> Any | None:
     """A DecoderLoop over `model`'s weights, or None when the loop cannot run this model (kernels
     unavailable, activations other than float32, or a layer the loop does not cover)."""
     if model.ops is None or model.dtype != torch.float32 or not loop_covers(model):

@@ -59,7 +59,7 @@ class QuantOptions:
 
     @classmethod
     def from_config(cls, config) -> QuantOptions:
-        from hasten.engine.engine import resolve_dtype
+        from hasten.model.dtypes import resolve_dtype
 
         dtype = str(resolve_dtype(config.dtype)).removeprefix("torch.")
         return cls(
