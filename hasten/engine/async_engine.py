@@ -17,7 +17,13 @@ from concurrent.futures import Future
 
 from hasten.config import EngineConfig
 from hasten.engine.engine import LLMEngine
-from hasten.engine.stats import EngineStats, EngineUnavailableError, QueueFullError, RequestFailedError
+from hasten.engine.stats import (
+    EngineFailedError,
+    EngineStats,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestFailedError,
+)
 from hasten.outputs import RequestOutput
 from hasten.sampling_params import SamplingParams
 
@@ -193,5 +199,5 @@ class AsyncLLM:
         except BaseException as e:  # a bug in the engine: fail every stream instead of hanging
             logger.exception("engine loop died")
             self.errored = e
-            err = RuntimeError(f"engine failed: {e}")
+            err = EngineFailedError(f"the engine loop died: {type(e).__name__}: {e}")
             loop.call_soon_threadsafe(lambda: [s.put_nowait(err) for s in self._streams.values()])

@@ -30,6 +30,11 @@ class EngineUnavailableError(RuntimeError):
     while it is being restarted. Requests that were already in flight fail with a plain error (500)."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine as a whole failed (its step raised, or its process died) while this request was in
+    flight; the server restarts it. The request gets a 500 (or an error event if its stream started)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed while handling this request's rows; the request alone ended (the server
     answers 500 or ends the stream with an error event). Other requests carry on."""

@@ -36,7 +36,13 @@ from dataclasses import astuple
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hasten.engine.stats import EngineStats, EngineUnavailableError, QueueFullError, RequestFailedError
+from hasten.engine.stats import (
+    EngineFailedError,
+    EngineStats,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestFailedError,
+)
 from hasten.outputs import CompletionOutput, RequestOutput
 from hasten.sampling_params import SamplingParams
 
@@ -340,7 +346,7 @@ class ProcessEngine:
             logger.error("%s", reason)
         self.errored = reason
         for stream in self._streams.values():
-            stream.queue.put_nowait(RuntimeError(reason))
+            stream.queue.put_nowait(EngineFailedError(reason))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

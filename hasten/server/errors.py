@@ -93,6 +93,10 @@ def engine_error(exc: Exception) -> APIError:
     if any(cls.__name__ == "EngineUnavailableError" for cls in type(exc).__mro__):
         return APIError(503, f"The engine is not available: {exc}", code="engine_unavailable",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if any(cls.__name__ == "EngineFailedError" for cls in type(exc).__mro__):
+        reason = (str(exc).strip().splitlines() or ["?"])[-1]
+        return APIError(500, f"The engine failed while this request was in flight ({reason}); it is being "
+                             "restarted", code="engine_failed")
     if any(cls.__name__ == "RequestFailedError" for cls in type(exc).__mro__):
         # the engine failed on this request alone and logged the traceback; the server carries on
         return APIError(500, f"The engine failed while generating this request: {exc}",

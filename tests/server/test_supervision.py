@@ -111,7 +111,7 @@ def test_step_failure_in_thread_mode_restarts(tiny_model: Path) -> None:
 
     with ServerThread(factory) as srv, srv.client() as c:
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
-        assert r.status_code == 500, r.text
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed", r.text
         _wait(lambda: c.get("/health").status_code == 200 and srv.state.supervisor.restarts == 1, 60,
               "the restart")
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 8})
