@@ -20,7 +20,7 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: hasten COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: hasten COMMAND [ARGS...]  |  hasten --version", "", "commands:"]
     for name, (_, help_text) in COMMANDS.items():
         lines.append(f"  {name:<10} {help_text}")
     return "\n".join(lines)
@@ -30,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from hasten import __version__
+
+        print(f"hasten {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

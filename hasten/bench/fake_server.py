@@ -36,6 +36,7 @@ class FakeServerConfig:
     fail_status: int = 503
     chunk_tokens: int = 1  # tokens per SSE chunk
     model: str = "fake-model"
+    strict_model: bool = False  # a request naming another model gets 404, as from `hasten serve`
     record: bool = False  # keep per-request send times in `FakeServer.log`
 
 
@@ -244,6 +245,10 @@ class FakeServer:
             return conn.send_json(400, {"error": {"message": "bad JSON", "type": "invalid_request_error"}})
         self.requests += 1
         cfg = self.config
+        if cfg.strict_model and req.get("model") not in (None, cfg.model):
+            return conn.send_json(404, {"error": {"message": f"The model `{req.get('model')}` does not exist.",
+                                                  "type": "not_found_error", "param": "model",
+                                                  "code": "model_not_found"}})
         if cfg.fail_every and self.requests % cfg.fail_every == 0:
             return conn.send_json(cfg.fail_status, {"error": {"message": "injected failure", "type": "overloaded"}})
         chat = path.endswith("chat/completions")
@@ -316,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-every", type=int, default=0, help="every Nth request gets HTTP 503")
     ap.add_argument("--chunk-tokens", type=int, default=1)
     ap.add_argument("--model", default="fake-model")
+    ap.add_argument("--strict-model", action="store_true", help="404 for requests naming another model")
     ap.add_argument("--max-seconds", type=float, default=0.0, help="exit after this long (0 = never)")
     args = ap.parse_args(argv)
     cfg = FakeServerConfig(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, output_len=args.output_len,
                            max_output_len=args.max_output_len, max_concurrency=args.max_concurrency,
-                           fail_every=args.fail_every, chunk_tokens=args.chunk_tokens, model=args.model)
+                           fail_every=args.fail_every, chunk_tokens=args.chunk_tokens, model=args.model,
+                           strict_model=args.strict_model)
 
     async def serve() -> None:
         server = FakeServer(cfg)

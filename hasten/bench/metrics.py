@@ -206,6 +206,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: SLO | None
     for name in LATENCY_METRICS:
         summary.update(distribution_ms(getattr(samples, name), name))
     summary["error_counts"] = dict(Counter(r.error for r in failed))
+    summary["error_examples"] = error_examples(failed)
     if ok:
         in_flight = sum((r.end - r.start) for r in ok) / dur
         summary["mean_concurrency"] = in_flight
@@ -213,6 +214,18 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: SLO | None
         summary["mean_concurrency"] = 0.0
     summary["output_tokens_source"] = dict(Counter(r.output_tokens_source for r in ok))
     return summary
+
+
+def error_examples(failed: Sequence[RequestResult], limit: int = 3) -> list[str]:
+    """The first `limit` distinct failures as `kind: message` (e.g. `http_404: The model ... does not exist.`)."""
+    seen: list[str] = []
+    for r in failed:
+        line = f"{r.error}: {r.error_detail}" if r.error_detail else r.error
+        if line not in seen:
+            seen.append(line)
+            if len(seen) == limit:
+                break
+    return seen
 
 
 def capacity(points: Sequence[tuple[float, float]], min_fraction: float = 0.9) -> float | None:

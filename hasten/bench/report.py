@@ -32,8 +32,12 @@ def _num(v: Any, digits: int = 2) -> str:
     return str(v)
 
 
-def detailed_table(s: dict[str, Any]) -> str:
-    """The `vllm bench serve` style block for one run."""
+LATENCY_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+                  "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+
+
+def detailed_table(s: dict[str, Any], metrics: Sequence[str] = tuple(LATENCY_TITLES)) -> str:
+    """The `vllm bench serve` style block for one run; `metrics`: the latency sections shown."""
     w = 50
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="="),
              f"{'Target:':<40}{s.get('target', '')}", f"{'Load:':<40}{s.get('label', '')}",
@@ -41,6 +45,8 @@ def detailed_table(s: dict[str, Any]) -> str:
              f"{'Failed requests:':<40}{s['failed']}"]
     for kind, count in sorted(s.get("error_counts", {}).items()):
         lines.append(f"{'  ' + kind + ':':<40}{count}")
+    for example in s.get("error_examples", []):
+        lines.append(f"  e.g. {example}")
     lines += [f"{'Benchmark duration (s):':<40}{_num(s['duration'])}",
               f"{'Total input tokens:':<40}{s['total_input_tokens']}",
               f"{'Total generated tokens:':<40}{s['total_output_tokens']}",
@@ -49,9 +55,9 @@ def detailed_table(s: dict[str, Any]) -> str:
               f"{'Total token throughput (tok/s):':<40}{_num(s['total_token_throughput'])}"]
     if s.get("request_goodput") is not None:
         lines.append(f"{'Request goodput (req/s):':<40}{_num(s['request_goodput'])}  [{s.get('slo', '')}]")
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-    for key, title in titles.items():
+    for key, title in LATENCY_TITLES.items():
+        if key not in metrics:
+            continue
         lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p95", "P95"), ("p99", "P99")):
             label = f"{name} {key.upper()} (ms):"
@@ -78,6 +84,12 @@ def summary_table(results: Sequence[PointResult]) -> str:
         lines.append(" ".join(cells))
     lines.append("(latencies in ms; TTFT50 = median TTFT, TTFT99 = p99; goodput in req/s)")
     return "\n".join(lines)
+
+
+def error_lines(results: Sequence[PointResult]) -> list[str]:
+    """`target / load: kind: message` for the first distinct failures of each run (for the summary table)."""
+    return [f"{r.target} / {r.point.label}: {example}" for r in results
+            for example in r.summary.get("error_examples", [])]
 
 
 def targets_of(results: Sequence[PointResult]) -> list[str]:

@@ -73,36 +73,58 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
 
 
 class Progress:
-    """A one-line progress bar on stderr (only drawn on a terminal unless forced)."""
+    """Progress on stderr: a one-line bar on a terminal; elsewhere (a log file, CI) a status line every
+    `interval` seconds and one at the end. `enabled`: True forces the bar, False shows nothing."""
 
-    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
+    def __init__(self, total: int, label: str, enabled: bool | None = None, interval: float = 10.0) -> None:
         self.total, self.label, self.done, self.failed = total, label, 0, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        if enabled is None:
+            self.mode = "bar" if sys.stderr.isatty() else "lines"
+        else:
+            self.mode = "bar" if enabled else "off"
+        self.interval = interval
         self._t0 = time.perf_counter()
-        self._last = 0.0
+        self._last = self._t0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
 
     def update(self, ok: bool) -> None:
         self.done += 1
         self.failed += 0 if ok else 1
         now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.1 or self.done == self.total):
+        if self.mode == "bar" and (now - self._last > 0.1 or self.done == self.total):
             self._last = now
             self.draw(now)
+        elif self.mode == "lines" and now - self._last >= self.interval:
+            self._last = now
+            self.status_line(now)
+
+    def _rate(self, now: float) -> float:
+        return self.done / max(now - self._t0, 1e-9)
 
     def draw(self, now: float) -> None:
         width = 30
         frac = self.done / self.total if self.total else 1.0
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-        rate = self.done / max(now - self._t0, 1e-9)
         fail = f" {self.failed} failed" if self.failed else ""
-        sys.stderr.write(f"\r{self.label[:38]:<38} [{bar}] {self.done}/{self.total} {rate:6.2f} req/s{fail}")
+        sys.stderr.write(f"\r{self.label[:38]:<38} [{bar}] {self.done}/{self.total} {self._rate(now):6.2f} req/s{fail}")
+        sys.stderr.flush()
+
+    def status_line(self, now: float) -> None:
+        fail = f", {self.failed} failed" if self.failed else ""
+        sys.stderr.write(f"{self.label}: {self.done}/{self.total} requests done after {now - self._t0:.0f}s "
+                         f"({self._rate(now):.2f} req/s{fail})\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.mode == "bar":
             self.draw(time.perf_counter())
             sys.stderr.write("\n")
             sys.stderr.flush()
+        elif self.mode == "lines":
+            self.status_line(time.perf_counter())
 
 
 @dataclass

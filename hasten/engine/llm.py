@@ -28,12 +28,18 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), as vLLM's `LLM.get_tokenizer()`."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """One output per prompt, in order. `use_tqdm`: a progress bar (on stderr) as requests finish."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -50,27 +56,38 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids)
+        return self._run(ids, use_tqdm)
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[rid] for rid in ids]

@@ -22,9 +22,12 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response
 
+from hasten import __version__
 from hasten.server import protocol as P
+from hasten.server.auth import APIKeyMiddleware
 from hasten.server.chat import chat_prompt, create_chat_completion
 from hasten.server.completions import create_completion
+from hasten.server.embeddings import EmbedServing
 from hasten.server.errors import RETRY_AFTER_SECONDS, APIError, install_error_handlers
 from hasten.server.grammar_limits import StructuredLimits
 from hasten.server.limits import (
@@ -36,6 +39,7 @@ from hasten.server.limits import (
     read_json_model,
 )
 from hasten.server.metrics import CONTENT_TYPE, ServerMetrics
+from hasten.server.responses import create_response
 from hasten.server.serving import Serving
 from hasten.server.supervisor import EngineSupervisor, SupervisionConfig
 from hasten.server.tracing import RequestIdMiddleware
@@ -51,7 +55,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 # Routes with a JSON body read and validate it themselves (hasten/server/limits.py: large bodies off the
 # event loop); their documented body and the 413 every body route may answer:
 _BODY_MODELS: list[type[Any]] = [P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest,
-                                 P.DetokenizeRequest]
+                                 P.DetokenizeRequest, P.EmbeddingRequest, P.ResponsesRequest]
 _TOO_LARGE: dict[int | str, dict[str, Any]] = {
     413: {"model": P.ErrorResponse, "description": "Request body over --max-request-bytes"}}
 # With "stream": true: Server-Sent Events, each `data:` a JSON chunk, the last one `[DONE]`.
@@ -67,6 +71,7 @@ class ServerState:
     on_load_failure: Callable[[BaseException], None] | None = None
     engine: Any = None
     serving: Serving | None = None
+    embedding: EmbedServing | None = None  # set instead of `serving` by `hasten serve --task embed`
     ready: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     startup_seconds: float | None = None
@@ -82,6 +87,8 @@ class ServerState:
     def model_name(self) -> str:
         if self.serving is not None:
             return self.serving.model_name
+        if self.embedding is not None:
+            return self.embedding.model_name
         return (self.served_names or ["-"])[0]
 
     async def load(self) -> None:
@@ -93,7 +100,10 @@ class ServerState:
             t_warm = time.perf_counter()
             names = self.served_names or [engine.model_name]
             self.engine = engine
-            self.serving = Serving(engine, self.metrics, names, self.structured)
+            if getattr(engine, "task", None) == "embed":
+                self.embedding = EmbedServing(engine, names)
+            else:
+                self.serving = Serving(engine, self.metrics, names, self.structured)
             self.ready = True
             self.startup_seconds = t_warm - t0
             logger.info("ready: serving %s (max_model_len=%d) after %.2fs (engine build %.2fs, start %.2fs; "
@@ -102,7 +112,9 @@ class ServerState:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            logger.exception("engine failed to load")
+            # `hasten serve` (on_load_failure) exits 1 with one line; the traceback only with --log-level debug
+            logger.log(logging.DEBUG if self.on_load_failure is not None else logging.ERROR,
+                       "engine failed to load: %s", exc, exc_info=logger.isEnabledFor(logging.DEBUG))
             if self.on_load_failure is not None:
                 self.on_load_failure(exc)
             return
@@ -134,11 +146,29 @@ class ServerState:
         return self.ready and (self.supervisor is None or self.supervisor.healthy)
 
     def require(self) -> Serving:
+        """The text-generation serving; 503 while loading, 400 on an embedding server."""
+        if self.ready and self.embedding is not None:
+            raise APIError(400, f"The model `{self.embedding.model_name}` is an embedding model (hasten serve "
+                                "--task embed): this server answers /v1/embeddings, not text generation.",
+                           code="model_not_supported")
         if not self.ready or self.serving is None:
             message = ("The engine failed and is being restarted." if self.down_reason is not None
                        else "The model is still loading.")
             raise APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return self.serving
+
+    def require_any(self) -> Serving | EmbedServing:
+        """Whatever this server serves (generation or embeddings); 503 while loading."""
+        if self.ready and self.embedding is not None:
+            return self.embedding
+        return self.require()
+
+    def require_embed(self) -> EmbedServing:
+        serving = self.require_any()
+        if not isinstance(serving, EmbedServing):
+            raise APIError(400, f"The model `{serving.model_name}` generates text; /v1/embeddings needs an "
+                                "embedding model (hasten serve --task embed).", code="model_not_supported")
+        return serving
 
 
 def _request_id(request: Request) -> str:
@@ -149,10 +179,17 @@ def _json(body: Any) -> Response:
     return Response(orjson.dumps(body), media_type="application/json")
 
 
+def _model_card(state: ServerState, serving: Serving | EmbedServing, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "hasten",
+            "max_model_len": serving.max_model_len}
+
+
 def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None = None,
               on_load_failure: Callable[[BaseException], None] | None = None,
               supervision: SupervisionConfig | None = None, limits: HTTPLimits | None = None,
-              structured: StructuredLimits | None = None) -> FastAPI:
+              structured: StructuredLimits | None = None, api_key: str | None = None,
+              protect_metrics: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+    """`tool_call_parser`: the tool-call format `tool_choice: "auto"` recognises (default: the chat template's)."""
     state = ServerState(engine_factory, served_names, on_load_failure, structured=structured)
     limits = limits or HTTPLimits()
     if supervision is not None:
@@ -173,16 +210,18 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
         if state.serving is not None:
             await state.serving.structured.aclose()  # the grammar compiler process
 
-    app = FastAPI(title="hasten", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="hasten", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the hasten LLM serving stack.")
     app.state.server = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_bytes)
+    if api_key:  # inside the request-id middleware (a 401 gets an X-Request-ID), before any body is read
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: the 413 above gets an X-Request-ID
     install_error_handlers(app)
 
     @app.get("/health", responses={200: {"model": P.HealthResponse}, 503: _ERRORS[503]})
     async def health() -> Response:
-        state.require()
+        state.require_any()
         if getattr(state.engine, "errored", None) is not None:
             raise APIError(503, f"The engine failed: {(str(state.engine.errored).strip().splitlines() or ['?'])[-1]}")
         if not state.healthy():
@@ -192,11 +231,28 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
 
     @app.get("/v1/models", responses={200: {"model": P.ModelList}, 503: _ERRORS[503]})
     async def models() -> Response:
-        serving = state.require()
-        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "hasten",
-                 "max_model_len": serving.max_model_len} for name in sorted(serving.served_names)]
+        serving = state.require_any()
+        data = [_model_card(state, serving, name) for name in sorted(serving.served_names)]
         data.sort(key=lambda d: d["id"] != serving.model_name)
         return _json({"object": "list", "data": data})
+
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": P.ModelCard}, 404: _ERRORS[404],
+                                                      503: _ERRORS[503]})
+    async def model(model_id: str) -> Response:
+        serving = state.require_any()
+        if model_id not in serving.served_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return _json(_model_card(state, serving, model_id))
+
+    @app.post("/v1/embeddings", openapi_extra=json_body_doc(P.EmbeddingRequest),
+              responses={200: {"model": P.EmbeddingResponse}, **_ERRORS, **_TOO_LARGE})
+    async def embeddings(request: Request) -> Response:
+        body, _ = await read_json_model(request, P.EmbeddingRequest)
+        return _json(await state.require_embed().create(body))
+
+    @app.get("/version", responses={200: {"model": P.VersionResponse}})
+    async def version() -> Response:
+        return _json({"version": __version__})
 
     @app.post("/v1/completions", openapi_extra=json_body_doc(P.CompletionRequest),
               responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS, **_TOO_LARGE})
@@ -208,7 +264,15 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
               responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS, **_TOO_LARGE})
     async def chat_completions(request: Request) -> Response:
         body, large = await read_json_model(request, P.ChatCompletionRequest)
-        return await create_chat_completion(state.require(), request, body, _request_id(request), large=large)
+        return await create_chat_completion(state.require(), request, body, _request_id(request), large=large,
+                                            parser_flag=tool_call_parser)
+
+    @app.post("/v1/responses", openapi_extra=json_body_doc(P.ResponsesRequest),
+              responses={200: {"content": _SSE}, **_ERRORS, **_TOO_LARGE})
+    async def responses(request: Request) -> Response:
+        body, large = await read_json_model(request, P.ResponsesRequest)
+        return await create_response(state.require(), request, body, _request_id(request), large=large,
+                                     parser_flag=tool_call_parser)
 
     @app.post("/tokenize", openapi_extra=json_body_doc(P.TokenizeRequest),
               responses={200: {"model": P.TokenizeResponse}, **_ERRORS, **_TOO_LARGE})

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from hasten.server.auth import API_KEY_ENV
 from hasten.server.grammar_limits import StructuredLimits
 from hasten.server.limits import HTTPLimits
+from hasten.server.tool_parsers import PARSERS
 
 logger = logging.getLogger("hasten.server")
 
+EMBED_FACTORY = "hasten.server.embeddings:EmbedEngine.from_options"
 ENGINE_MODES = {
     "process": "hasten.server.engine_process:ProcessEngine.from_options",
     "thread": "hasten.engine.async_engine:AsyncLLM.from_options",
@@ -120,6 +123,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                             "process is killed (default 10)")
     so.add_argument("--grammar-cache-bytes", type=int, default=StructuredLimits.cache_bytes, metavar="BYTES",
                     help="compiled grammars kept in memory (default 256 MiB)")
+    p.add_argument("--tool-call-parser", choices=list(PARSERS), default=None,
+                   help="the tool-call format recognised with tool_choice auto (default: the one the chat "
+                        "template uses; hermes for a template without tool syntax)")
+    p.add_argument("--task", choices=["generate", "embed"], default="generate",
+                   help="embed: serve a sentence-embedding model on /v1/embeddings (default MODEL: the "
+                        "packaged all-MiniLM-L6-v2; see docs/server.md)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template file that replaces the tokenizer's")
+    auth = p.add_argument_group("authentication (docs/server.md)")
+    auth.add_argument("--api-key", default=None,
+                      help="require this key on /v1/* (Authorization: Bearer KEY or x-api-key: KEY); "
+                           f"default: the {API_KEY_ENV} environment variable, if set")
+    auth.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -161,6 +177,56 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             options[key.strip()] = raw
     return options
+
+
+def check_engine_options(options: dict[str, Any], task: str) -> None:
+    """Exit 2, before anything listens, on an option the engine does not know."""
+    if task == "embed":
+        from hasten.server.embeddings import EMBED_OPTIONS
+
+        known = set(EMBED_OPTIONS)
+    else:
+        from hasten.config import EngineConfig
+
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        print(f"hasten serve: unknown engine option(s) {', '.join(unknown)}"
+              f"{' for --task embed' if task == 'embed' else ''}; valid options: {', '.join(sorted(known))}",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _usage_error(message: str) -> SystemExit:
+    print(f"hasten serve: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The template file's text, checked to be valid Jinja (exit 2 otherwise)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        import jinja2
+
+        jinja2.Environment().parse(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _usage_error(f"cannot read --chat-template {path}: {exc}") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise _usage_error(f"--chat-template {path} is not a valid Jinja template: {exc.message} "
+                           f"(line {exc.lineno})") from None
+    return text
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if args.api_key == "":
+        raise _usage_error("--api-key must not be empty")
+    if args.protect_metrics and not key:
+        raise _usage_error(f"--protect-metrics needs --api-key (or {API_KEY_ENV})")
+    return key
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -212,17 +278,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     configure_logging(args.log_level)
     options = engine_options(args)
-    factory = load_callable(args.engine_factory or ENGINE_MODES[args.engine_mode])
+    if args.engine_factory is None:
+        check_engine_options(options, args.task)
+    if args.task == "embed" and args.chat_template:
+        raise _usage_error("--chat-template does not apply to --task embed")
+    template = read_chat_template(args.chat_template)
+    key = api_key(args)
+    spec = args.engine_factory or (EMBED_FACTORY if args.task == "embed" else ENGINE_MODES[args.engine_mode])
+    factory = load_callable(spec)
     logger.info("loading %s with options %s", args.model or "the default model", options or "{}")
 
     def build_engine() -> Any:
-        return factory(args.model, **options)
+        engine = factory(args.model, **options)
+        if template is not None:
+            engine.tokenizer.chat_template = template
+        return engine
 
     failed: list[BaseException] = []
+    servers: list[Any] = []
 
     def on_load_failure(exc: BaseException) -> None:
+        # Called on the event loop. Not a SIGTERM to ourselves: uvicorn re-raises a signal it caught once it
+        # has shut down, and the process would end with status 143 instead of 1.
         failed.append(exc)
-        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own handler then shuts down cleanly
+        for server in servers:
+            server.should_exit = True
 
     from hasten.server.supervisor import SupervisionConfig
 
@@ -234,16 +314,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"hasten serve: {exc}") from None
     limits = http_limits(args)
     app = build_app(build_engine, args.served_model_name, on_load_failure, supervision=supervision,
-                    limits=limits, structured=structured_limits(args))
+                    limits=limits, structured=structured_limits(args), api_key=key,
+                    protect_metrics=args.protect_metrics, tool_call_parser=args.tool_call_parser)
     loop, http = _fast_loop_and_http()
     config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level,
                             access_log=args.access_log, lifespan="on", log_config=None,
                             timeout_graceful_shutdown=args.graceful_timeout, **uvicorn_limits(limits, http))
     server = uvicorn.Server(config)
+    servers.append(server)
     logger.info("listening on http://%s:%d (loop=%s, http=%s)", args.host, args.port, loop, http)
     server.run()
     if failed:
-        logger.error("exiting: the engine failed (%s)", failed[0])
+        reason = (str(failed[0]).strip().splitlines() or [type(failed[0]).__name__])[-1]
+        logger.error("exiting: the engine failed: %s", reason)
         return 1
     logger.info("server stopped")
     return 0

@@ -262,8 +262,10 @@ class ProcessEngine:
         # A plain `python -m` child joined by a socket pair: unlike multiprocessing's spawn, it does not
         # re-import the parent's __main__ (which may be a test runner or a user's script).
         ours, theirs = socket.socketpair()
-        proc = subprocess.Popen([sys.executable, "-m", "hasten.server.engine_process", str(theirs.fileno())],
-                                pass_fds=[theirs.fileno()])
+        # the child logs like the server: same format, the level of the "hasten" logger
+        level = logging.getLevelName(logging.getLogger("hasten").getEffectiveLevel())
+        proc = subprocess.Popen([sys.executable, "-m", "hasten.server.engine_process", str(theirs.fileno()),
+                                 str(level)], pass_fds=[theirs.fileno()])
         theirs.close()
         handshake = Connection(os.dup(ours.fileno()))  # blocking, for start-up only
         try:
@@ -391,4 +393,7 @@ if __name__ == "__main__":
     # The engine process: leave SIGINT/SIGTERM to the server, which stops us with a "stop" command.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from hasten.server.tracing import configure_logging
+
+    configure_logging(sys.argv[2] if len(sys.argv) > 2 else "INFO")
     _child_main(Connection(int(sys.argv[1])))

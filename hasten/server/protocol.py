@@ -100,10 +100,51 @@ class TextPart(_Body):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments object.")
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionRef(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON text.")
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="Assistant messages only.")
+    tool_call_id: str | None = Field(None, description="Tool messages: the call this answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -119,7 +160,86 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="Not supported.")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="Default: auto with tools, none without.")
+    parallel_tool_calls: bool = True
+
+
+class InputTextPart(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponseMessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class ResponseFunctionOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+ResponseInputItem = ResponseMessageItem | ResponseFunctionCallItem | ResponseFunctionOutputItem
+
+
+class ResponseTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True)
+
+
+class ResponseTextConfig(_Body):
+    format: ResponseTextFormat | None = None
+
+
+class ResponseFunctionTool(_Body):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseNamedToolChoice(_Body):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (stateless: no stored responses)."""
+
+    model: str | None = None
+    input: NonEmptyStr | Annotated[list[ResponseInputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    text: ResponseTextConfig | None = None
+    tools: list[ResponseFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = Field(None, description="Not supported (stateless): 400 if given.")
+    store: bool | None = Field(None, description="Accepted; nothing is stored.")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = None
 
 
 class TokenizeRequest(_Body):
@@ -133,6 +253,30 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
+
+
+MAX_EMBED_INPUTS = 2048
+
+
+class EmbeddingRequest(_Body):
+    """/v1/embeddings (OpenAI), with vLLM's `truncate_prompt_tokens` and `add_special_tokens`."""
+
+    model: str | None = Field(None, description="Served model name; omit to use the served model.")
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                    Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the little-endian float32 bytes of each vector, base64-encoded.")
+    dimensions: int | None = Field(None, ge=1, description="Only the model's own size is accepted.")
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="Keep at most this many tokens of each input (-1: the model's maximum); "
+                                 "without it a longer input is a 400.")
+    add_special_tokens: bool = Field(True, description="For text inputs; token ids are used as given.")
 
 
 # ---- response shapes, for the OpenAPI document only (responses are serialised as dicts) ----
@@ -177,7 +321,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -222,3 +367,25 @@ class DetokenizeResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class VersionResponse(BaseModel):
+    version: str

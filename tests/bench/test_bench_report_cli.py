@@ -60,7 +60,7 @@ def test_compare_mode_prints_ratio_table(tmp_path: Path, capsys: pytest.CaptureF
     data = json.loads((tmp_path / "s.json").read_text())
     assert len(data["runs"]) == 4 and {r["target"] for r in data["runs"]} == {"fast", "slow"}
     assert [r["load"] for r in data["ratios"]] == ["concurrency 1", "concurrency 3"]
-    assert {r["model_id"] for r in data["runs"]} == {"default", "other"}
+    assert {r["model_id"] for r in data["runs"]} == {"fake-model", "other"}  # asked from /v1/models
 
 
 def test_bad_arguments() -> None:

@@ -58,7 +58,7 @@ def test_malformed_json(http) -> None:
     ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": MSG, "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
-    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": MSG, "response_format": {"type": "xml"}}, None),
     ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
