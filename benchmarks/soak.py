@@ -266,9 +266,16 @@ def main() -> None:
         vocab = 1 << 20  # token ids from here on are outside every vocabulary served here
         print(f"soak: {args.duration:.0f}s, {args.concurrency} workers, model {model}; logs in {work}", flush=True)
 
+        async def sample_rss() -> None:  # the trend, not just two points
+            while True:
+                samples.append((round(time.monotonic() - t_start), rss_mb(gw.pid),
+                                rss_mb(replicas[0].proc.pid)))  # type: ignore[union-attr]
+                await asyncio.sleep(60)
+
         async def orchestrate() -> dict[str, float]:
             load = asyncio.create_task(run_load(gw_url, args.duration, args.concurrency, tally, vocab, args.seed,
                                                 args.timeout))
+            sampler = asyncio.create_task(sample_rss())
             warm = min(120.0, args.duration / 6)
             await asyncio.sleep(warm)
             base = {"gateway": rss_mb(gw.pid), "replica0_server": rss_mb(replicas[0].proc.pid)}  # type: ignore[union-attr]
@@ -286,8 +293,11 @@ def main() -> None:
             await asyncio.to_thread(replicas[1].wait_ready)
             tally.kills.append(time.monotonic())  # requests refused while it came back are the kill's too
             await load
+            sampler.cancel()
             return base
 
+        samples: list[tuple[int, float, float]] = []
+        t_start = time.monotonic()
         base = asyncio.run(orchestrate())
         time.sleep(3)
         end = {"gateway": rss_mb(gw.pid), "replica0_server": rss_mb(replicas[0].proc.pid)}  # type: ignore[union-attr]
@@ -307,6 +317,7 @@ def main() -> None:
         "lost": o["lost"], "bad_input_accepted": o["bad_input_accepted"],
         "rss_mb_after_warmup": base, "rss_mb_end": end,
         "rss_growth_pct": {k: 100 * (end[k] - base[k]) / base[k] for k in base},
+        "rss_mb_every_minute": [{"s": t, "gateway": g, "replica0_server": r} for t, g, r in samples],
         "replicas_at_end": states, "examples": tally.examples,
     }
     print(json.dumps(results, indent=2))

@@ -131,6 +131,8 @@ class ServerState:
         self.engine = engine
         if self.serving is not None:
             self.serving.engine = engine
+            if "tokenizer" in vars(engine):  # a restarted engine process sent its own copy: keep one
+                engine.tokenizer = self.serving.tokenizer
         self.down_reason = None
         self.ready = True
 
