@@ -21,7 +21,9 @@ from hasten.testing import make_tiny_model
 from .harness import ServerThread
 
 OPTIONS = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64, num_threads=1)
-LONG = {"prompt": "tell me a story", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+# long enough that no stream can finish before the kill, even when the four start far apart
+LONG = {"prompt": "tell me a story", "max_tokens": 1800, "ignore_eos": True, "temperature": 0}
+LONG_OPTIONS = {**OPTIONS, "max_model_len": 2048, "num_kv_blocks": 520}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def _metric(c: httpx.Client, name: str) -> float:
 
 
 def test_kill_9_under_load_restarts_the_engine(tiny_model: Path) -> None:
-    factory = lambda: ProcessEngine.from_options(str(tiny_model), **OPTIONS)  # noqa: E731
+    factory = lambda: ProcessEngine.from_options(str(tiny_model), **LONG_OPTIONS)  # noqa: E731
     with ServerThread(factory) as srv, srv.client() as c:
         first_pid = srv.engine.pid
         started = [threading.Event() for _ in range(4)]
