@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from gw_helpers import Cluster
+from gw_inproc import Backends
 
 
 @pytest.fixture
@@ -33,3 +34,13 @@ def redis_server(tmp_path: Path) -> Iterator[object]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Backends]:
+    """Scripted in-process backends on 127.0.0.1 (gw_inproc.py), closed after the test."""
+    made = Backends()
+    try:
+        yield made
+    finally:
+        await made.close()

@@ -7,7 +7,6 @@ callback fast path (checked with a spy); "cold": none yet, so it runs on the asy
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,13 +19,6 @@ from hasten.gateway.retry import PoisonSet, request_key
 PATHS = ["warm", "cold"]
 
 
-@pytest.fixture
-async def backends() -> AsyncIterator[Backends]:
-    made = Backends()
-    try:
-        yield made
-    finally:
-        await made.close()
 
 
 def pool(*bs: ScriptedBackend, policy: str = "round_robin", **retry: Any) -> dict[str, Any]:

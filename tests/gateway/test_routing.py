@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -176,13 +175,6 @@ def test_prompt_text_shapes() -> None:
 # -- bursts: every request of a burst is routed before any of them is sent ----------------------
 
 
-@pytest.fixture
-async def backends() -> AsyncIterator[Backends]:
-    made = Backends()
-    try:
-        yield made
-    finally:
-        await made.close()
 
 
 def shares(bs: list[ScriptedBackend]) -> dict[str, int]:

@@ -6,7 +6,6 @@ In-process gateway and scripted backends (gw_inproc.py) that keep every body the
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,13 +18,6 @@ SECRET = "correct horse battery staple 42"
 TENANTS = [{"name": "alpha", "key": "ka"}, {"name": "beta", "key": "kb"}, {"name": "alpha", "key": "ka2"}]
 
 
-@pytest.fixture
-async def backends() -> AsyncIterator[Backends]:
-    made = Backends()
-    try:
-        yield made
-    finally:
-        await made.close()
 
 
 def config(b: Any, **extra: Any) -> dict[str, Any]:
