@@ -1,11 +1,14 @@
-"""Helpers the benchmarks share: locate the SmolLM2 GGUF and llama.cpp's llama-server, and run a
-server subprocess with its log in a file."""
+"""Helpers the benchmarks share: locate the SmolLM2 GGUF and llama.cpp's llama-server, run a
+server subprocess with its log in a file (or wait for its ready line), percentiles."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -93,3 +96,37 @@ def served_model(base_url: str) -> str:
 
     with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
         return json.loads(resp.read())["data"][0]["id"]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+def spawn(args: list[str], ready: str, timeout_s: float = 20.0) -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if ready in line:
+            return proc, line.strip()
+    proc.kill()
+    raise RuntimeError(f"{args} did not become ready")
+
+
+def addr(line: str) -> tuple[str, int]:
+    m = re.search(r"(\d+\.\d+\.\d+\.\d+):(\d+)", line)
+    assert m, line
+    return m.group(1), int(m.group(2))
+
+
+def scrape(host: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+        return r.read().decode()

@@ -9,6 +9,8 @@
                                                                   #   at CPU priority -10 (`nice:`)
     python benchmarks/gateway_overhead.py --real-model --skip-fake  # 2 real `hasten serve`
                                                        # replicas: prefix_aware vs round_robin
+    python benchmarks/gateway_overhead.py --interleaved 50,100  # direct and gateway halves at once,
+                                  # keep-alive and close-delimited backends, false "down" count
 
 Processes: one fake backend (raw asyncio + uvloop), one gateway, and this load client
 (raw asyncio protocol, one keep-alive connection per stream), all on the same machine and
@@ -36,38 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _servers import addr, pct, scrape, spawn  # noqa: E402
 from _servers import stop_process as stop  # noqa: E402
 
 from hasten.gateway.testing import LoadResult, run_load  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]
-
-
-def spawn(args: list[str], ready: str, timeout_s: float = 20.0) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, cwd=ROOT)
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if ready in line:
-            return proc, line.strip()
-    proc.kill()
-    raise RuntimeError(f"{args} did not become ready")
-
-
-def addr(line: str) -> tuple[str, int]:
-    m = re.search(r"(\d+\.\d+\.\d+\.\d+):(\d+)", line)
-    assert m, line
-    return m.group(1), int(m.group(2))
 
 
 def write_config(path: Path, backends: list[str], policy: str, http2: bool = False,
@@ -77,11 +51,6 @@ def write_config(path: Path, backends: list[str], policy: str, http2: bool = Fal
     if nice is not None:
         cfg["nice"] = nice
     path.write_text(json.dumps(cfg))  # JSON is valid YAML
-
-
-def scrape(host: str, port: int) -> str:
-    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def metric_mean(text: str, name: str) -> float:
@@ -465,6 +434,14 @@ def main() -> None:
     p.add_argument("--nice", type=int, default=None, metavar="N",
                    help="run the gateway with `nice: N` (and the pipe/nginx references at the same priority); "
                         "negative values need root or CAP_SYS_NICE")
+    p.add_argument("--interleaved", type=lambda s: [int(x) for x in s.split(",")], default=None, metavar="N,..",
+                   help="interleaved mode (benchmarks/_gateway_interleaved.py): N streams direct to one of two "
+                        "backends and N through the gateway at the same time, e.g. 50,100")
+    p.add_argument("--backend-kinds", type=lambda v: v.split(","), default=["chunked", "close"],
+                   help="interleaved mode: backend framings to run, chunked (keep-alive) and/or close "
+                        "(Connection: close, close-delimited body)")
+    p.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                   help="interleaved mode: the load client")
     p.add_argument("--_pipe", help=argparse.SUPPRESS)
     args = p.parse_args()
     with contextlib.suppress(ImportError):
@@ -475,6 +452,17 @@ def main() -> None:
         pipe_main(args._pipe)
         return
     args.load_before = os.getloadavg()[0]
+    if args.interleaved:
+        from _gateway_interleaved import report_interleaved, run_interleaved
+
+        if "--ttft-ms" not in sys.argv:
+            args.ttft_ms = 100.0
+        if "--tokens" not in sys.argv:
+            args.tokens = 50
+        if "--interval-ms" not in sys.argv:
+            args.interval_ms = 20.0
+        report_interleaved(args, run_interleaved(args))
+        return
     if not args.skip_fake:
         fake_overhead(args)
     if args.real_model:

@@ -32,7 +32,13 @@ class EngineUnavailableError(RuntimeError):
 
 class EngineFailedError(RuntimeError):
     """The engine as a whole failed (its step raised, or its process died) while this request was in
-    flight; the server restarts it. The request gets a 500 (or an error event if its stream started)."""
+    flight; the server restarts it. The request gets a 500 (or an error event if its stream started),
+    or a 503 when the engine process was stopped from outside (``stopped_from_outside``: killed by a
+    signal such as SIGKILL, which no request can have caused by what it computed)."""
+
+    def __init__(self, message: str = "", stopped_from_outside: bool = False) -> None:
+        super().__init__(message)
+        self.stopped_from_outside = stopped_from_outside
 
 
 class RequestFailedError(RuntimeError):

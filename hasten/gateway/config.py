@@ -83,9 +83,11 @@ class CacheSaltConfig:
 class HealthConfig:
     path: str = "/health"
     interval_s: float = 2.0
-    timeout_s: float = 1.0
-    failure_threshold: int = 3
+    timeout_s: float = 1.0  # one probe's budget: connect (if needed), request and answer
+    failure_threshold: int = 3  # consecutive failed requests that open a backend's circuit breaker
     cooldown_s: float = 5.0
+    unhealthy_threshold: int = 3  # consecutive failed probes that mark a backend down
+    healthy_threshold: int = 1  # consecutive good probes that mark it up again
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class GatewayConfig:
     region_header: str = "x-hasten-region"
     http2: bool = False
     max_retries: int = 2
+    preconnect: int = 32  # spare connections per backend that closes its connections (0: off)
     max_body_bytes: int = 32 * 1024 * 1024
     health: HealthConfig = field(default_factory=HealthConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
@@ -309,7 +312,7 @@ def _section(c: _Checker, raw: dict[str, Any], key: str, cls: type, spec: dict[s
 def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
     """Validate a decoded YAML document and build a :class:`GatewayConfig`."""
     c = _Checker()
-    allowed = {"listen", "models", "tenants", "region", "region_header", "http2", "max_retries",
+    allowed = {"listen", "models", "tenants", "region", "region_header", "http2", "max_retries", "preconnect",
                "max_body_bytes", "health", "timeouts", "tracing", "nice", "cache_salt", *TOP_KEYS}
     if raw is None:
         raise ConfigError(source, ["the file is empty; expected a mapping with 'listen' and 'models'"])
@@ -362,6 +365,8 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         "timeout_s": ("number", {"positive": True}),
         "failure_threshold": ("number", {"minimum": 1, "integer": True}),
         "cooldown_s": ("number", {"positive": True}),
+        "unhealthy_threshold": ("number", {"minimum": 1, "integer": True}),
+        "healthy_threshold": ("number", {"minimum": 1, "integer": True}),
     })
     timeouts = _section(c, raw, "timeouts", TimeoutConfig, {
         "connect_s": ("number", {"positive": True}),
@@ -396,6 +401,7 @@ def parse_config(raw: Any, source: str = "<config>") -> GatewayConfig:
         region_header=c.string(raw, "region_header", "", default="x-hasten-region").lower(),
         http2=c.boolean(raw, "http2", "", False),
         max_retries=c.number(raw, "max_retries", "", 2, integer=True),
+        preconnect=c.number(raw, "preconnect", "", 32, integer=True, minimum=0),
         max_body_bytes=c.number(raw, "max_body_bytes", "", 32 * 1024 * 1024, integer=True, positive=True),
         health=health, timeouts=timeouts, tracing=tracing, governance=governance, nice=nice,
     )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from hasten.gateway.config import GatewayConfig
-from hasten.gateway.health import HealthChecker
+from hasten.gateway.health import BackendState, HealthChecker
 from hasten.gateway.metrics import GatewayMetrics
 from hasten.gateway.pipeline import (
     GatewayError,
@@ -47,7 +47,7 @@ class Gateway:
         self._tenants = {t.key: t for t in cfg.tenants}
         self.proxy = Proxy(cfg, self.metrics, self.tracer)
         all_backends = [b for pool in self.pools.values() for b in pool.backends]
-        self.health = HealthChecker(all_backends, cfg.health)
+        self.health = HealthChecker(all_backends, cfg.health, self.proxy.probe, self._probe_changed)
         self.governance: Governance | None = None
         # synchronous pre-routing hook (after auth and parsing, before any middleware; also on the fast
         # path) and its counterpart, run by finalize on every response
@@ -181,9 +181,16 @@ class Gateway:
         ok = all(pools.values())
         return (200 if ok else 503), {"status": "ok" if ok else "degraded", "healthy_backends": pools}
 
+    def _probe_changed(self, backend: BackendState, up: bool) -> None:
+        if not up:
+            for name, pool in self.pools.items():
+                if backend in pool.backends:
+                    self.metrics.probe_down.inc(name, backend.url)
+
     def _refresh_gauges(self) -> None:
         now = time.monotonic()
         for name, pool in self.pools.items():
             for b in pool.backends:
                 self.metrics.in_flight.set(name, b.url, value=b.in_flight)
                 self.metrics.backend_up.set(name, b.url, value=1.0 if b.available(now) else 0.0)
+                self.metrics.spare_connections.set(name, b.url, value=self.proxy.upstream(b.url).idle)

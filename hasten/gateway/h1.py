@@ -25,7 +25,6 @@ from httptools import (
     HttpParserError,
     HttpParserUpgrade,
     HttpRequestParser,
-    HttpResponseParser,
 )
 
 MAX_HEAD = 64 * 1024  # request line (status line) and header lines, bytes
@@ -320,16 +319,6 @@ class RequestReader(H1Reader):
                                  "(send the request without 'Upgrade' and 'Connection: upgrade')", 501)
         requests[-1].keep_alive = False
         return None
-
-
-def response_status(head: bytes) -> int:
-    """The status code of a complete response head (the bytes up to and including the blank line)."""
-    parser = HttpResponseParser(object())
-    try:
-        parser.feed_data(head)
-    except HttpParserError as exc:
-        raise ProtocolError(f"malformed response head: {exc}", 502) from None
-    return parser.get_status_code()
 
 
 def frame_chunk(data: bytes) -> bytes:

@@ -1,10 +1,18 @@
 """Per-backend state: in-flight count, latency estimate, circuit breaker and active probes.
 
-A backend is routable when its last active probe succeeded (or none has run yet) and its
-circuit breaker lets traffic through. The breaker opens after ``failure_threshold``
-consecutive request failures (connect errors, timeouts, 5xx before the first byte,
-broken streams); after ``cooldown_s`` it becomes half-open and admits exactly one trial
-request, whose outcome closes or re-opens it.
+A backend is routable while active probes have not marked it down and its circuit breaker
+lets traffic through. The breaker (passive ejection) opens after ``failure_threshold``
+consecutive request failures (connect errors, timeouts, 5xx before the first byte, broken
+streams); after ``cooldown_s`` it becomes half-open and admits exactly one trial request,
+whose outcome closes or re-opens it.
+
+Active probes mark a backend down only after ``unhealthy_threshold`` consecutive failed
+probes, and up again after ``healthy_threshold`` good ones. A probe that could not connect
+or timed out (within its own ``timeout_s``) is not counted while real requests to that
+backend keep succeeding: a replica busy serving is slow to answer probes, not down. An
+answer other than 200 always counts (a replica that says it is unhealthy, e.g. draining or
+restarting its engine, is believed). Probes are sent on the pool's own idle connections, so
+they add no connection to a backend that real traffic keeps connections open to.
 """
 
 from __future__ import annotations
@@ -13,12 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from hasten.gateway.config import BackendConfig, HealthConfig
-from hasten.gateway.upstream import probe
+from hasten.gateway.h1 import ProtocolError
 
 log = logging.getLogger("hasten.gateway")
 
@@ -77,6 +85,9 @@ class BackendState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     in_flight: int = 0
     probe_ok: bool = True
+    probe_failures: int = 0  # consecutive failed probes
+    probe_successes: int = 0  # consecutive good probes
+    last_success: float = -1e18  # time.monotonic() of the last request that got a response
     latency_ms: float | None = None  # EWMA of probe RTT and time to first byte
     rr_current: float = 0.0
 
@@ -99,17 +110,22 @@ class BackendState:
         self.latency_ms = ms if self.latency_ms is None else (1 - alpha) * self.latency_ms + alpha * ms
 
 
-class HealthChecker:
-    """Actively probes ``GET <health.path>`` of every distinct backend URL."""
+ProbeFn = Callable[[str, str, float], Awaitable[int]]  # (backend url, path, timeout_s) -> status
 
-    def __init__(self, backends: list[BackendState], cfg: HealthConfig,
+
+class HealthChecker:
+    """Actively probes ``GET <health.path>`` of every distinct backend URL through ``probe``."""
+
+    def __init__(self, backends: list[BackendState], cfg: HealthConfig, probe: ProbeFn,
                  on_change: Callable[[BackendState, bool], None] | None = None) -> None:
         self._by_url: dict[str, list[BackendState]] = {}
         for b in backends:
             self._by_url.setdefault(b.url, []).append(b)
         self._cfg = cfg
+        self._probe_fn = probe
         self._task: asyncio.Task[None] | None = None
         self._on_change = on_change
+        self.rounds = 0  # probe rounds completed
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -130,21 +146,39 @@ class HealthChecker:
                 await self.probe_all()
             except Exception:  # pragma: no cover - defensive: probing must never stop
                 log.exception("health probe round failed")
+            self.rounds += 1
             await asyncio.sleep(self._cfg.interval_s)
 
     async def _probe(self, url: str, states: list[BackendState]) -> None:
-        cfg = states[0].config
-        start = time.perf_counter()
+        cfg = self._cfg
+        started = time.monotonic()
+        t0 = time.perf_counter()
+        status: int | None = None
         try:
-            ok = await probe(cfg.host, cfg.port, self._cfg.path, self._cfg.timeout_s) == 200
-        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            ok = False
-        rtt_ms = (time.perf_counter() - start) * 1000
+            status = await self._probe_fn(url, cfg.path, cfg.timeout_s)
+        except (OSError, TimeoutError, ValueError, ProtocolError, asyncio.IncompleteReadError):
+            pass
+        rtt_ms = (time.perf_counter() - t0) * 1000
+        # real traffic answered since the previous probe round began: evidence the backend is up
+        recent = started - cfg.interval_s - cfg.timeout_s
         for s in states:
-            if s.probe_ok != ok:
-                log.warning("backend %s is now %s (active probe)", url, "up" if ok else "down")
-                if self._on_change is not None:
-                    self._on_change(s, ok)
-            s.probe_ok = ok
-            if ok:
+            if status == 200:
+                s.probe_failures = 0
+                s.probe_successes += 1
                 s.observe_latency(rtt_ms)
+                if not s.probe_ok and s.probe_successes >= cfg.healthy_threshold:
+                    self._set(s, url, True, "probe answered 200")
+            elif status is None and max(b.last_success for b in states) >= recent:
+                continue  # no answer, but its real requests are being answered: busy, not down
+            else:
+                s.probe_successes = 0
+                s.probe_failures += 1
+                if s.probe_ok and s.probe_failures >= cfg.unhealthy_threshold:
+                    why = f"HTTP {status}" if status is not None else "no answer"
+                    self._set(s, url, False, f"{s.probe_failures} failed probes in a row, the last: {why}")
+
+    def _set(self, s: BackendState, url: str, ok: bool, why: str) -> None:
+        log.warning("backend %s is now %s (active probe: %s)", url, "up" if ok else "down", why)
+        s.probe_ok = ok
+        if self._on_change is not None:
+            self._on_change(s, ok)

@@ -148,6 +148,11 @@ class GatewayMetrics:
         self.backend_up = Gauge("backend_up", "1 if the backend is routable (probe ok, breaker not open)",
                                 ("model", "backend"))
         self.breaker_opened = Counter("breaker_opened_total", "Circuit breaker openings", ("model", "backend"))
+        self.probe_down = Counter("probe_down_total", "Backends marked down by active probes",
+                                  ("model", "backend"))
+        self.spare_connections = Gauge("backend_idle_connections",
+                                       "Open idle connections to each backend (keep-alive or preconnected)",
+                                       ("model", "backend"))
         self.poison_rejected = Counter("poison_rejected_total",
                                        "Requests refused because an identical request failed a replica",
                                        ("model",))
@@ -183,7 +188,8 @@ class GatewayMetrics:
             fn()
         lines: list[str] = []
         for metric in (self.requests, self.backend_requests, self.backend_errors, self.retries,
-                       self.in_flight, self.backend_up, self.breaker_opened, self.poison_rejected,
+                       self.in_flight, self.backend_up, self.breaker_opened, self.probe_down,
+                       self.spare_connections, self.poison_rejected,
                        self.added_latency,
                        self.chunk_delay, self.upstream_first_byte, self.ttft, self.e2e, *self.extra):
             lines.extend(metric.render())

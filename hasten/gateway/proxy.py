@@ -93,7 +93,8 @@ class Proxy:
         self._pools: dict[str, UpstreamPool] = {}
         for pool_cfg in cfg.models:
             for b in pool_cfg.backends:
-                self._pools.setdefault(b.url, UpstreamPool(b.host, b.port, cfg.timeouts.connect_s))
+                self._pools.setdefault(b.url, UpstreamPool(b.host, b.port, cfg.timeouts.connect_s,
+                                                           preconnect=cfg.preconnect))
         self.active: set[Relay] = set()  # streams handed to a client
         self.first_byte_s = cfg.timeouts.first_byte_s
         self.awaiting: set[Relay] = set()  # requests sent, first byte not yet in (relays keep it)
@@ -123,6 +124,13 @@ class Proxy:
             relay.abort()
         for p in self._pools.values():
             p.close()
+
+    async def probe(self, url: str, path: str, timeout_s: float) -> int:
+        """An active health probe of ``url`` on that backend's connection pool (health.py)."""
+        return await self._pools[url].probe(path, timeout_s)
+
+    def upstream(self, url: str) -> UpstreamPool:
+        return self._pools[url]
 
     async def _watch_idle(self) -> None:
         """Enforce first-byte and idle timeouts. One periodic check instead of a timer per request:
@@ -342,6 +350,7 @@ class Proxy:
         m = self.metrics
         if ok:
             backend.breaker.on_success()
+            backend.last_success = time.monotonic()
             backend.observe_latency((time.perf_counter() - sent_at) * 1000)
             if pool.poison and relay.status < 400:  # it was served: not what made a replica fail
                 pool.poison.forgive(self._poison_key(ctx))

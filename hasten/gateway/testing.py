@@ -39,6 +39,11 @@ class FakeBackendOptions:
     status: int = 200  # status for completion requests (e.g. 503 to simulate an overloaded replica)
     fail_after: int | None = None  # abort the connection after this many chunks
     health_status: int = 200
+    health_delay_ms: float = 0.0  # a slow health endpoint (a replica too busy to answer probes quickly)
+    # "chunked": keep-alive, chunked SSE; "close": ``Connection: close`` and a close-delimited SSE body
+    # (no Content-Length, no Transfer-Encoding), as minimal servers and some proxies answer
+    framing: str = "chunked"
+    backlog: int = 2048  # listen backlog (100 is asyncio's default, what a minimal server has)
 
 
 class FakeBackend:
@@ -51,7 +56,7 @@ class FakeBackend:
         self.prompts: list[str] = []
 
     async def serve(self, host: str, port: int) -> asyncio.AbstractServer:
-        return await asyncio.start_server(self._conn, host, port, backlog=2048, limit=1 << 22)
+        return await asyncio.start_server(self._conn, host, port, backlog=self.opts.backlog, limit=1 << 22)
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -87,6 +92,8 @@ class FakeBackend:
                       writer: asyncio.StreamWriter) -> bool:
         path = target.split("?", 1)[0]
         if method == "GET" and path == "/health":
+            if self.opts.health_delay_ms:
+                await asyncio.sleep(self.opts.health_delay_ms / 1000)
             self._plain(writer, self.opts.health_status, {"status": "ok"})
             return True
         if method == "GET" and path == "/stats":
@@ -144,10 +151,11 @@ class FakeBackend:
 
     async def _stream(self, writer: asyncio.StreamWriter, model: str, rid: str, tokens: int, interval: float,
                       ttft: float) -> bool:
+        if self.opts.framing == "close":
+            return await self._stream_until_close(writer, model, rid, tokens, interval, ttft)
         head = (f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                 f"Transfer-Encoding: chunked\r\nX-Request-ID: {rid}\r\n\r\n").encode()
-        prefix = ('data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","model":' + json.dumps(model)
-                  + ',"backend":' + json.dumps(self.opts.name) + ',"request_id":' + json.dumps(rid) + ",").encode()
+        prefix = self._event_prefix(model, rid)
         if ttft:
             writer.write(head)
             head = b""
@@ -170,6 +178,29 @@ class FakeBackend:
         done = b"data: [DONE]\n\n"
         writer.write(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
         return True
+
+    def _event_prefix(self, model: str, rid: str) -> bytes:
+        return ('data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","model":' + json.dumps(model)
+                + ',"backend":' + json.dumps(self.opts.name) + ',"request_id":' + json.dumps(rid) + ",").encode()
+
+    async def _stream_until_close(self, writer: asyncio.StreamWriter, model: str, rid: str, tokens: int,
+                                  interval: float, ttft: float) -> bool:
+        """The head at once, then raw SSE events; the end of the body is the end of the connection."""
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                     f"Connection: close\r\nX-Request-ID: {rid}\r\n\r\n".encode())
+        prefix = self._event_prefix(model, rid)
+        if ttft:
+            await asyncio.sleep(ttft)
+        for i in range(tokens):
+            writer.write(prefix + b'"i":%d,"t":%d,"choices":[{"index":0,"delta":{"content":"t%d "},'
+                                  b'"finish_reason":null}]}\n\n' % (i, time.monotonic_ns(), i))
+            if writer.transport.get_write_buffer_size() > 1 << 16:
+                await writer.drain()
+            if interval and i + 1 < tokens:
+                await asyncio.sleep(interval)
+        writer.write(b"data: [DONE]\n\n")
+        await writer.drain()
+        return False  # closing the connection ends the body
 
 
 class MemoryTransport(asyncio.Transport):
@@ -229,7 +260,10 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.done is not None and not self.done.done():
-            self.done.set_result(False)
+            if self.until_close and exc is None:  # a close-delimited body ends here
+                self._finish(time.monotonic_ns(), self.status == 200)
+            else:
+                self.done.set_result(False)
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -238,6 +272,7 @@ class _Conn(asyncio.Protocol):
         self.head_done = False
         self.status = 0
         self.chunked = False
+        self.until_close = False  # no Content-Length, no chunking: the body ends with the connection
         self.length = 0
         self.first: int | None = None
         self.done = asyncio.get_running_loop().create_future()
@@ -259,10 +294,14 @@ class _Conn(asyncio.Protocol):
             self.chunked = b"transfer-encoding: chunked" in head
             if not self.chunked:
                 i = head.find(b"content-length:")
-                self.length = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
+                if i < 0:
+                    self.until_close = True
+                else:
+                    j = head.find(b"\r\n", i)
+                    self.length = int(head[i + 15:j if j > 0 else None])
             self.head_done = True
             buf = buf[end + 4:]
-        if not self.chunked:
+        if not self.chunked and not self.until_close:
             self.buf = buf
             if len(buf) >= self.length:
                 self._finish(now, self.status == 200)
@@ -284,7 +323,7 @@ class _Conn(asyncio.Protocol):
                     self.status = 599
             pos = ev + 2
         self.buf = buf[pos:]
-        if self.buf.endswith(b"0\r\n\r\n"):
+        if self.chunked and self.buf.endswith(b"0\r\n\r\n"):
             self._finish(now, self.status == 200)
 
     def _finish(self, now: int, ok: bool) -> None:
@@ -350,11 +389,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--status", type=int, default=200)
     p.add_argument("--fail-after", type=int, default=None)
     p.add_argument("--health-status", type=int, default=200)
+    p.add_argument("--health-delay-ms", type=float, default=0.0)
+    p.add_argument("--framing", choices=("chunked", "close"), default="chunked",
+                   help="close: `Connection: close` and a close-delimited SSE body")
+    p.add_argument("--backlog", type=int, default=2048, help="listen backlog (asyncio's default is 100)")
     p.add_argument("--uvloop", action="store_true")
     args = p.parse_args(argv)
     opts = FakeBackendOptions(name=args.name, tokens=args.tokens, interval_ms=args.interval_ms,
                               ttft_ms=args.ttft_ms, status=args.status, fail_after=args.fail_after,
-                              health_status=args.health_status)
+                              health_status=args.health_status, health_delay_ms=args.health_delay_ms,
+                              framing=args.framing, backlog=args.backlog)
     if args.uvloop:
         with contextlib.suppress(ImportError):
             import uvloop

@@ -3,6 +3,12 @@
 The response is pushed to a *sink* from ``data_received`` as soon as bytes arrive:
 ``on_head(status, headers)``, then ``on_data(payload)`` for every decoded piece of body,
 then exactly one of ``on_end()`` or ``on_error(exc)``. No coroutine runs per chunk.
+
+Backends that close the connection after every response (``Connection: close``, HTTP/1.0,
+close-delimited bodies) would otherwise cost a TCP connect, and the backend's accept, inside
+every request. For them the pool *preconnects*: each connection taken for an exchange is
+replaced by a new one opened in the background, up to ``preconnect`` spares, so the next
+request finds an open connection (Envoy's preconnect policy does the same).
 """
 
 from __future__ import annotations
@@ -10,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from typing import Protocol
 
 from httptools import HttpResponseParser
 
-from hasten.gateway.h1 import H1Reader, ProtocolError, response_status
+from hasten.gateway.h1 import H1Reader, ProtocolError
 
 
 class Sink(Protocol):
@@ -98,6 +105,8 @@ class UpstreamConnection(H1Reader, asyncio.Protocol):
         self._status = status
         self._head = True
         self._keep = parser.should_keep_alive()
+        if self._expect_body:
+            self.pool.learn(self._keep)
         self._until_close = te is None and "content-length" not in headers and status not in (204, 304)
         if not self._expect_body:  # HEAD: no body follows, whatever the head says; the parser
             self._complete = True  # would wait for one, so the connection is not reused
@@ -187,21 +196,30 @@ class UpstreamConnection(H1Reader, asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Idle keep-alive connections to one backend, reused most-recent first."""
+    """Idle connections to one backend, reused most-recent first; spares preconnected for a backend
+    that closes its connections (see the module docstring). ``preconnect=0`` turns that off."""
 
-    def __init__(self, host: str, port: int, connect_timeout_s: float, max_idle: int = 1024) -> None:
+    def __init__(self, host: str, port: int, connect_timeout_s: float, max_idle: int = 1024,
+                 preconnect: int = 32) -> None:
         self.host = host
         self.port = port
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
+        self.preconnect = preconnect
+        self.closes_connections = False  # the backend's last response head said it closes the connection
+        self.preconnected = 0  # spare connections opened so far (a counter, for tests and metrics)
         self._idle: list[UpstreamConnection] = []
+        self._connecting: set[asyncio.Task[None]] = set()
+        self._pause_until = 0.0  # no preconnect before this (monotonic) after one failed
 
     def take_idle(self) -> UpstreamConnection | None:
-        """A pooled keep-alive connection, or None (no I/O, never blocks)."""
+        """A pooled keep-alive or preconnected connection, or None (no I/O, never blocks)."""
         while self._idle:
             conn = self._idle.pop()
             if conn.transport is not None and not conn.transport.is_closing():
                 conn.reused = True
+                if self.closes_connections:
+                    self._top_up()
                 return conn
         return None
 
@@ -209,11 +227,45 @@ class UpstreamPool:
         conn = None if fresh else self.take_idle()
         if conn is not None:
             return conn
+        if self.closes_connections:
+            self._top_up()
+        return await self._connect()
+
+    async def _connect(self) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         _, new = await asyncio.wait_for(
             loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port),
             self.connect_timeout_s)
         return new
+
+    def learn(self, keep_alive: bool) -> None:
+        """A response head arrived: whether the backend keeps its connections open."""
+        if self.closes_connections == keep_alive:
+            self.closes_connections = not keep_alive
+            if not keep_alive:
+                self._top_up()
+
+    def _top_up(self) -> None:
+        """Open one spare connection in the background, within the ``preconnect`` bound."""
+        if (len(self._idle) + len(self._connecting) >= self.preconnect
+                or time.monotonic() < self._pause_until):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (protocol tests): nothing to connect with
+            return
+        task = loop.create_task(self._open_spare())
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _open_spare(self) -> None:
+        try:
+            conn = await self._connect()
+        except (OSError, TimeoutError):
+            self._pause_until = time.monotonic() + 1.0  # the backend refuses: requests will tell
+            return
+        self.preconnected += 1
+        self.release(conn)
 
     def release(self, conn: UpstreamConnection) -> None:
         if len(self._idle) < self.max_idle:
@@ -230,21 +282,66 @@ class UpstreamPool:
         return len(self._idle)
 
     def close(self) -> None:
+        for task in self._connecting:
+            task.cancel()
         for conn in self._idle:
             if conn.transport is not None:
                 conn.transport.close()
         self._idle.clear()
 
+    async def probe(self, path: str, timeout_s: float) -> int:
+        """``GET path`` on a pooled connection (a fresh one when none is idle, or when the pooled one
+        turns out to be stale); returns the status code, raises on failure or after ``timeout_s``.
+        The connection goes back to the pool afterwards: a probe adds no connection to the backend
+        while real traffic keeps some open."""
+        raw = f"GET {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\nuser-agent: hasten-gateway-probe\r\n\r\n"
+        sink = _ProbeSink()
 
-async def probe(host: str, port: int, path: str, timeout_s: float) -> int:
-    """``GET path`` on a fresh connection; returns the status code (raises on failure)."""
+        async def run() -> int:
+            for fresh in (False, True):
+                conn = await self.acquire(fresh=fresh)
+                sink.conn = conn
+                sink.result = asyncio.get_running_loop().create_future()
+                conn.start(raw.encode("latin-1"), sink)
+                try:
+                    return await sink.result
+                except (OSError, ProtocolError):
+                    if fresh or not conn.reused or conn.got_bytes:
+                        raise
+            raise AssertionError("unreachable")
 
-    async def run() -> int:
-        reader, writer = await asyncio.open_connection(host, port)
         try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
-            return response_status(await reader.readuntil(b"\r\n\r\n"))
+            return await asyncio.wait_for(run(), timeout_s)
         finally:
-            writer.close()
+            sink.abandon()
 
-    return await asyncio.wait_for(run(), timeout_s)
+
+class _ProbeSink:
+    """Collects a probe's status; the body is dropped."""
+
+    def __init__(self) -> None:
+        self.conn: UpstreamConnection | None = None
+        self.result: asyncio.Future[int] | None = None
+        self.status = 0
+
+    def on_head(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+
+    def on_data(self, data: bytes, last: bool = False) -> None:
+        pass
+
+    def on_end(self) -> None:
+        self.conn = None  # the exchange is over (the connection may already be back in the pool)
+        if self.result is not None and not self.result.done():
+            self.result.set_result(self.status)
+
+    def on_error(self, exc: BaseException) -> None:
+        self.conn = None
+        if self.result is not None and not self.result.done():
+            self.result.set_exception(exc)
+
+    def abandon(self) -> None:
+        """Timed out or cancelled: drop a connection still waiting for its answer."""
+        conn, self.conn = self.conn, None
+        if conn is not None and conn.sink is self:
+            conn.abort()

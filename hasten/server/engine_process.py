@@ -6,8 +6,9 @@ HTTP/JSON work can delay a step. Per step the child sends one message with every
 request's *deltas* (new text, token ids, logprobs; the full text and ids only once, at
 the end), plus a stats snapshot; the parent rebuilds the cumulative `RequestOutput`s
 that `AsyncLLM.generate` would yield. Commands (add, abort, stop) go the other way and
-are drained between steps. If the child dies, every open stream fails and `errored`
-is set (so `/health` turns 503).
+are drained between steps. If the child dies, `errored` is set at once (so `/health` turns 503)
+and every open stream fails; a child stopped from outside (SIGKILL, SIGTERM, ...) fails them with
+`EngineFailedError.stopped_from_outside` set, which the server answers 503 instead of 500.
 
 Logits processors cross the process boundary by pickle: a structured-output processor
 carries what the server's compile worker found cheapest to load - the schema (compiled
@@ -238,6 +239,12 @@ class _Stream:
                              error=error)
 
 
+# signals that stop a process from outside (an operator, a supervisor, the OOM killer), not a crash
+# of the engine on something it was computing: its in-flight requests are not to blame
+_STOP_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+_EXIT_WAIT_S = 0.3
+
+
 class ProcessEngine:
     """`AsyncLLM`'s interface, with the engine loop in a child process."""
 
@@ -254,6 +261,7 @@ class ProcessEngine:
         self._stats = EngineStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.errored: str | None = None
+        self._failed = False  # in-flight requests were failed (and the reason logged)
         self.progress_at = time.monotonic()  # when the engine last reported a step (or went idle)
 
     @classmethod
@@ -340,15 +348,32 @@ class ProcessEngine:
                 stream.queue.put_nowait(exc)
 
     def _on_lost(self, exc: BaseException | None) -> None:
-        if not self._closing:
-            self._fail(f"lost the engine process ({exc or 'it closed its end'})")
-
-    def _fail(self, reason: str) -> None:
+        if self._closing:
+            return
+        reason = f"lost the engine process ({exc or 'it closed its end'})"
         if self.errored is None:
+            self.errored = reason  # new requests get 503 from now on
+        # in-flight requests fail once the exit status tells whether the process was stopped from
+        # outside (waited for up to _EXIT_WAIT_S: a dead child is reaped within milliseconds)
+        self._fail_on_exit(reason, time.monotonic() + _EXIT_WAIT_S)
+
+    def _fail_on_exit(self, reason: str, deadline: float) -> None:
+        code = self._proc.poll()
+        if code is None and time.monotonic() < deadline and self._loop is not None:
+            self._loop.call_later(0.005, self._fail_on_exit, reason, deadline)
+            return
+        stopped = code is not None and -code in _STOP_SIGNALS
+        if code is not None:
+            reason += f"; {'killed by ' + signal.Signals(-code).name if code < 0 else f'exit code {code}'}"
+        self._fail(reason, stopped_from_outside=stopped)
+
+    def _fail(self, reason: str, stopped_from_outside: bool = False) -> None:
+        if not self._failed:  # the first failure's reason stands (a step's traceback, then the exit)
+            self._failed = True
             logger.error("%s", reason)
-        self.errored = reason
+            self.errored = reason
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineFailedError(reason))
+            stream.queue.put_nowait(EngineFailedError(reason, stopped_from_outside))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -95,6 +95,11 @@ def engine_error(exc: Exception) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if any(cls.__name__ == "EngineFailedError" for cls in type(exc).__mro__):
         reason = (str(exc).strip().splitlines() or ["?"])[-1]
+        if getattr(exc, "stopped_from_outside", False):
+            # not this request's doing: retryable (a gateway sends it to another replica)
+            return APIError(503, f"The engine process was stopped while this request was in flight ({reason}); "
+                                 "it is being restarted, retry the request", code="engine_restarting",
+                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return APIError(500, f"The engine failed while this request was in flight ({reason}); it is being "
                              "restarted", code="engine_failed")
     if any(cls.__name__ == "RequestFailedError" for cls in type(exc).__mro__):

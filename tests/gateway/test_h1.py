@@ -14,7 +14,6 @@ from hasten.gateway.h1 import (
     RequestReader,
     frame_chunk,
     response_head,
-    response_status,
 )
 from hasten.gateway.testing import MemoryTransport
 from hasten.gateway.upstream import UpstreamConnection, UpstreamPool
@@ -163,12 +162,6 @@ def test_response_head_never_writes_unsafe_header_lines() -> None:
                                "b": "2\t3"})
     assert head == b"HTTP/1.1 200 OK\r\na: 1\r\nb: 2\t3\r\n\r\n"
     assert response_head(404, {"content-length": "0"}) == b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
-
-
-def test_response_status() -> None:
-    assert response_status(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n") == 503
-    with pytest.raises(ProtocolError):
-        response_status(b"HTTP/1.1 20 OK\r\n\r\n")
 
 
 class Sink:

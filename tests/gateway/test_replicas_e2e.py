@@ -119,3 +119,53 @@ def test_tenants_never_share_cached_prefixes(replicas: list[Proc], tmp_path: Pat
         assert cached("sk-b", salt="whatever-a-used") > 0  # B's own earlier request; a client salt is overridden
     finally:
         cluster.close()
+
+
+def test_an_engine_killed_from_outside_is_not_charged_to_its_request(tiny_model: Path, tmp_path: Path) -> None:
+    """kill -9 of a replica's engine process while it holds a request: the replica answers 503
+    `engine_restarting`, the gateway sends the request to the other replica (the client gets 200),
+    and the same body is not refused afterwards as a poison request."""
+    import json
+    import os
+    import signal
+    import threading
+
+    flags = ("--max-model-len", "2048", "--num-kv-blocks", "520")
+    procs = [_serve(tiny_model, *flags) for _ in range(2)]
+    cluster = Cluster(tmp_path)
+    try:
+        gw = cluster.gateway({"models": [{"name": "tiny", "policy": "round_robin", "backend_model": "llama",
+                                          "backends": [{"url": p.url} for p in procs]}],
+                              "health": {"interval_s": 0.5}})
+        body = _completion(prompt="tell me a story", max_tokens=1800, ignore_eos=True, temperature=0)
+        answers: list[Any] = []
+        client = threading.Thread(target=lambda: answers.append(
+            request(gw, "POST", "/v1/completions", body, timeout=120)))
+        client.start()
+        holder = wait_until(lambda: next((p for p in procs
+                                          if _replica_metric(p, "hasten:num_requests_running") > 0), None), 30, 0.01)
+        assert holder is not None, "the request never started"
+        engine_pids = [int(x) for task in Path(f"/proc/{holder.proc.pid}/task").iterdir()
+                       for x in (task / "children").read_text().split()]  # started from any thread
+        assert engine_pids, "no engine process under the replica"
+        os.kill(engine_pids[0], signal.SIGKILL)
+        client.join(120)
+        (answer,) = answers
+        assert answer.status == 200, answer.body
+        assert len(json.loads(answer.body)["choices"][0]["text"]) > 0
+        other = procs[1 - procs.index(holder)]
+        assert _replica_metric(other, "hasten:request_success_total") >= 1
+        assert wait_until(lambda: _health(holder) == 200, 120, 0.5), "the killed engine was not restarted"
+        assert _replica_metric(holder, "hasten:engine_restarts_total") == 1.0
+        # the same body again: served, not refused as a poison request
+        again = request(gw, "POST", "/v1/completions", {**body, "max_tokens": 4}, timeout=60)
+        assert again.status == 200, again.body
+        retry_again = request(gw, "POST", "/v1/completions", body, timeout=120)
+        assert retry_again.status == 200, retry_again.body
+        text = request(gw, "GET", "/metrics").body.decode()
+        assert "poison_rejected_total{" not in text or all(
+            line.endswith(" 0") for line in text.splitlines() if line.startswith("hasten_gateway:poison_rejected_total{"))
+    finally:
+        cluster.close()
+        for p in procs:
+            p.kill()

@@ -49,7 +49,15 @@ class PathSpy:
 
 
 async def prepare(gateway: Gateway, path: str, bs: list[ScriptedBackend]) -> PathSpy:
-    """Warm: one request per backend leaves a pooled connection to each (round robin)."""
+    """Warm: one request per backend leaves a pooled connection to each (round robin). Cold: the
+    connections the first probe round left in the pools are closed."""
+    if path == "cold":
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while gateway.health.rounds < 1 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for b in bs:
+            gateway.proxy.upstream(b.url).close()
     if path == "warm":
         for _ in bs:
             assert (await post(gateway, chat("warm-up"))).status_code == 200
@@ -198,6 +206,7 @@ async def test_a_crash_with_bystanders_in_flight_makes_everyone_a_suspect(backen
     after one crash; the bystanders' retries succeed; the culprit is refused after its second."""
     a, b = await backends("a", "b", poison_action="crash", ttft_s=0.3)
     async with running_gateway({"models": [pool(a, b, policy="least_outstanding")]}) as gw:
+        await prepare(gw, "cold", [a, b])  # no pooled connection to a that its crash could make look stale
         pool_state = gw.pools["m"]
         pool_state.backends[1].in_flight = 10  # route everything to a for now
         bystanders = [asyncio.ensure_future(post(gw, chat(f"by {i}", stream=True))) for i in range(3)]

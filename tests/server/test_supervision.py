@@ -71,6 +71,9 @@ def test_kill_9_under_load_restarts_the_engine(tiny_model: Path) -> None:
         started = [threading.Event() for _ in range(4)]
         ended: list[tuple[float, str]] = []
         threads = [threading.Thread(target=_stream_until_error, args=(srv.url, ev, ended)) for ev in started]
+        answers: list[httpx.Response] = []  # a non-streaming request in flight too
+        threads.append(threading.Thread(target=lambda: answers.append(
+            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60))))
         for t in threads:
             t.start()
         for ev in started:
@@ -82,6 +85,11 @@ def test_kill_9_under_load_restarts_the_engine(tiny_model: Path) -> None:
         assert len(ended) == 4
         assert all(kind == "error event" for _, kind in ended), ended
         assert max(t for t, _ in ended) - killed_at < 1.0, "in-flight requests took over 1 s to fail"
+        # killed from outside, not by what it computed: a retryable 503 (a gateway tries another replica
+        # and does not hold the request responsible)
+        (answer,) = answers
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_restarting", answer.text
+        assert "SIGKILL" in answer.json()["error"]["message"] and answer.headers.get("retry-after")
         # 503 at once, then the restarted engine serves again
         assert c.get("/health").status_code == 503
         _wait(lambda: c.get("/health").status_code == 200, 120, "the restarted engine")
