@@ -295,7 +295,7 @@ class UpstreamPool:
         The connection goes back to the pool afterwards: a probe adds no connection to the backend
         while real traffic keeps some open."""
         raw = f"GET {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\nuser-agent: hasten-gateway-probe\r\n\r\n"
-        sink = _ProbeSink()
+        sink = StatusSink()
 
         async def run() -> int:
             for fresh in (False, True):
@@ -316,8 +316,8 @@ class UpstreamPool:
             sink.abandon()
 
 
-class _ProbeSink:
-    """Collects a probe's status; the body is dropped."""
+class StatusSink:
+    """Collects an exchange's status into ``result`` (set before ``start``); the body is dropped (probes)."""
 
     def __init__(self) -> None:
         self.conn: UpstreamConnection | None = None

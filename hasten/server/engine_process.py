@@ -79,7 +79,7 @@ def _child_main(conn: Connection) -> None:
     from hasten.server.structured import set_process_tokenizer
 
     try:
-        model, options = conn.recv()
+        model, options, send_tokenizer = conn.recv()
         t0 = time.time()
         engine = LLMEngine(EngineConfig.from_options(model=model, **options))
         rid = "__warmup__"
@@ -90,7 +90,8 @@ def _child_main(conn: Connection) -> None:
         engine.kv.reset_prefix_cache()
         set_process_tokenizer(engine.tokenizer)
         conn.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                             "tokenizer": engine.tokenizer, "seconds": time.time() - t0}))
+                             "tokenizer": engine.tokenizer if send_tokenizer else None,
+                             "seconds": time.time() - t0}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails start-up
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -243,6 +244,9 @@ class _Stream:
 # of the engine on something it was computing: its in-flight requests are not to blame
 _STOP_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 _EXIT_WAIT_S = 0.3
+# the tokenizer of each (model, options) an engine process was started with: a restarted engine process
+# does not send another copy (unpickled in a worker thread, it grew the server's RSS by ~17 MB for good)
+_TOKENIZERS: dict[str, Any] = {}
 
 
 class ProcessEngine:
@@ -277,7 +281,8 @@ class ProcessEngine:
         theirs.close()
         handshake = Connection(os.dup(ours.fileno()))  # blocking, for start-up only
         try:
-            handshake.send((model, options))
+            known = _TOKENIZERS.get(repr((model, sorted(options.items()))))
+            handshake.send((model, options, known is None))
             while not handshake.poll(0.2):
                 if proc.poll() is not None:
                     raise RuntimeError(f"the engine process died during start-up (exit code {proc.returncode})")
@@ -290,6 +295,10 @@ class ProcessEngine:
         if kind != "ready":
             proc.wait(5)
             raise RuntimeError(f"the engine process failed to start: {payload}")
+        if known is None:
+            _TOKENIZERS[repr((model, sorted(options.items())))] = payload["tokenizer"]
+        else:
+            payload["tokenizer"] = known
         return cls(proc, ours, payload)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -16,7 +16,7 @@ from gw_helpers import Cluster, chat, metric, request, stream, wait_until
 from hasten.gateway.config import HealthConfig, parse_config
 from hasten.gateway.health import BackendState, HealthChecker
 from hasten.gateway.testing import FakeBackend, FakeBackendOptions
-from hasten.gateway.upstream import UpstreamPool
+from hasten.gateway.upstream import StatusSink, UpstreamPool
 
 
 def pool(*backends: Any, name: str = "m", policy: str = "round_robin") -> dict[str, Any]:
@@ -91,29 +91,13 @@ async def test_preconnect_keeps_spares_for_a_closing_backend_only() -> None:
 async def _stream_once(p: UpstreamPool) -> tuple[int, bool]:
     """One streaming request on a pooled (or new) connection, read to its end: (status, pooled?)."""
 
-    class Sink:
-        def __init__(self) -> None:
-            self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            self.status = 0
-
-        def on_head(self, status: int, headers: dict[str, str]) -> None:
-            self.status = status
-
-        def on_data(self, data: bytes, last: bool = False) -> None:
-            pass
-
-        def on_end(self) -> None:
-            self.done.set_result(self.status)
-
-        def on_error(self, exc: BaseException) -> None:
-            self.done.set_exception(exc)
-
     body = json.dumps({"model": "m", "stream": True, "messages": []}).encode()
     raw = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
     conn = await p.acquire()
-    sink = Sink()
+    sink = StatusSink()
+    sink.result = asyncio.get_running_loop().create_future()
     conn.start(raw, sink)
-    return await asyncio.wait_for(sink.done, 5), conn.reused
+    return await asyncio.wait_for(sink.result, 5), conn.reused
 
 
 def test_slow_probes_do_not_eject_a_backend_that_serves(cluster: Cluster) -> None:
