@@ -11,7 +11,9 @@ direct per percentile. The gateway's ``probe_down_total`` counts backends marked
 active probes (every one a false "down": the backends never fail).
 
 ``--client httpx`` drives the same load with httpx (one AsyncClient per half, default pool
-settings but no connection cap) instead of the lean raw-asyncio client.
+settings but no connection cap) instead of the lean raw-asyncio client; ``--client httpx-close``
+does the same with ``Connection: close`` on every request, so neither half keeps connections in
+httpx's pool (a close-delimited backend keeps none in the direct half anyway).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _backend_args(kind: str, name: str, args: argparse.Namespace) -> list[str]:
     return a
 
 
-async def _httpx_load(url: str, conc: int, duration: float) -> LoadResult:
+async def _httpx_load(url: str, conc: int, duration: float, close: bool = False) -> LoadResult:
     import httpx
 
     res = LoadResult()
@@ -53,7 +55,8 @@ async def _httpx_load(url: str, conc: int, duration: float) -> LoadResult:
                 t0 = time.perf_counter()
                 first = None
                 try:
-                    async with client.stream("POST", url + "/v1/chat/completions", json=PAYLOAD) as r:
+                    async with client.stream("POST", url + "/v1/chat/completions", json=PAYLOAD,
+                                             headers={"connection": "close"} if close else None) as r:
                         async for line in r.aiter_lines():
                             if first is None and line.startswith("data: "):
                                 first = time.perf_counter()
@@ -71,9 +74,10 @@ async def _httpx_load(url: str, conc: int, duration: float) -> LoadResult:
 
 async def _pair(args: argparse.Namespace, direct: tuple[str, int], gw: tuple[str, int], conc: int,
                 duration: float) -> tuple[LoadResult, LoadResult]:
-    if args.client == "httpx":
-        return await asyncio.gather(_httpx_load(_url(direct), conc, duration),
-                                    _httpx_load(_url(gw), conc, duration))
+    if args.client.startswith("httpx"):
+        close = args.client == "httpx-close"
+        return await asyncio.gather(_httpx_load(_url(direct), conc, duration, close),
+                                    _httpx_load(_url(gw), conc, duration, close))
     return await asyncio.gather(run_load(*direct, conc, duration, PAYLOAD), run_load(*gw, conc, duration, PAYLOAD))
 
 

@@ -440,8 +440,8 @@ def main() -> None:
     p.add_argument("--backend-kinds", type=lambda v: v.split(","), default=["chunked", "close"],
                    help="interleaved mode: backend framings to run, chunked (keep-alive) and/or close "
                         "(Connection: close, close-delimited body)")
-    p.add_argument("--client", choices=("lean", "httpx"), default="lean",
-                   help="interleaved mode: the load client")
+    p.add_argument("--client", choices=("lean", "httpx", "httpx-close"), default="lean",
+                   help="interleaved mode: the load client (httpx-close: httpx with Connection: close)")
     p.add_argument("--_pipe", help=argparse.SUPPRESS)
     args = p.parse_args()
     with contextlib.suppress(ImportError):
