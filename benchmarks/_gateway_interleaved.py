@@ -85,13 +85,6 @@ def _url(hostport: tuple[str, int]) -> str:
     return f"http://{hostport[0]}:{hostport[1]}"
 
 
-def _merge(into: LoadResult, r: LoadResult) -> None:
-    into.ttft_ms += r.ttft_ms
-    into.chunk_ms += r.chunk_ms
-    into.requests += r.requests
-    into.errors += r.errors
-
-
 def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for kind in args.backend_kinds:
@@ -114,8 +107,8 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
                 d, g = LoadResult(), LoadResult()
                 for _ in range(args.rounds):
                     rd, rg = asyncio.run(_pair(args, direct, gw, conc, args.duration))
-                    _merge(d, rd)
-                    _merge(g, rg)
+                    d.add(rd)
+                    g.add(rg)
                 rows.append({"kind": kind, "streams": conc, "direct": d, "gateway": g})
             text = scrape(*gw)
             downs = sum(float(v) for line in text.splitlines() if line.startswith("hasten_gateway:probe_down_total{")

@@ -100,11 +100,7 @@ def fake_overhead(args: argparse.Namespace) -> None:
                     r = asyncio.run(measure(*target, conc, args.duration, payload))
                     if name == "gateway":
                         cpu.stop(gateway.pid, r)
-                    res = results[name]
-                    res.ttft_ms += r.ttft_ms
-                    res.chunk_ms += r.chunk_ms
-                    res.requests += r.requests
-                    res.errors += r.errors
+                    results[name].add(r)
             rows.append((conc, results, cpu))
             via = results["gateway"]
             print(f"  done: {conc} streams ({via.requests} requests via gateway, {via.errors} errors)",

@@ -160,7 +160,7 @@ class HealthChecker:
             pass
         rtt_ms = (time.perf_counter() - t0) * 1000
         # real traffic answered since the previous probe round began: evidence the backend is up
-        recent = started - cfg.interval_s - cfg.timeout_s
+        serving = max(b.last_success for b in states) >= started - cfg.interval_s - cfg.timeout_s
         for s in states:
             if status == 200:
                 s.probe_failures = 0
@@ -168,7 +168,7 @@ class HealthChecker:
                 s.observe_latency(rtt_ms)
                 if not s.probe_ok and s.probe_successes >= cfg.healthy_threshold:
                     self._set(s, url, True, "probe answered 200")
-            elif status is None and max(b.last_success for b in states) >= recent:
+            elif status is None and serving:
                 continue  # no answer, but its real requests are being answered: busy, not down
             else:
                 s.probe_successes = 0

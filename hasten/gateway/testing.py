@@ -151,11 +151,18 @@ class FakeBackend:
 
     async def _stream(self, writer: asyncio.StreamWriter, model: str, rid: str, tokens: int, interval: float,
                       ttft: float) -> bool:
-        if self.opts.framing == "close":
-            return await self._stream_until_close(writer, model, rid, tokens, interval, ttft)
+        """The SSE answer: chunked on a kept-alive connection, or (``framing="close"``) raw events whose
+        end is the end of the connection; returns whether the connection stays open."""
+        close = self.opts.framing == "close"
+        framing = "Connection: close" if close else "Transfer-Encoding: chunked"
         head = (f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                f"Transfer-Encoding: chunked\r\nX-Request-ID: {rid}\r\n\r\n").encode()
-        prefix = self._event_prefix(model, rid)
+                f"{framing}\r\nX-Request-ID: {rid}\r\n\r\n").encode()
+
+        def frame(event: bytes) -> bytes:
+            return event if close else b"%x\r\n%s\r\n" % (len(event), event)
+
+        prefix = ('data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","model":' + json.dumps(model)
+                  + ',"backend":' + json.dumps(self.opts.name) + ',"request_id":' + json.dumps(rid) + ",").encode()
         if ttft:
             writer.write(head)
             head = b""
@@ -169,38 +176,16 @@ class FakeBackend:
                 return False
             event = prefix + b'"i":%d,"t":%d,"choices":[{"index":0,"delta":{"content":"t%d "},' \
                                 b'"finish_reason":null}]}\n\n' % (i, time.monotonic_ns(), i)
-            writer.write(head + b"%x\r\n%s\r\n" % (len(event), event))
+            writer.write(head + frame(event))
             head = b""
             if writer.transport.get_write_buffer_size() > 1 << 16:
                 await writer.drain()
             if interval and i + 1 < tokens:
                 await asyncio.sleep(interval)
-        done = b"data: [DONE]\n\n"
-        writer.write(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
-        return True
-
-    def _event_prefix(self, model: str, rid: str) -> bytes:
-        return ('data: {"id":"chatcmpl-fake","object":"chat.completion.chunk","model":' + json.dumps(model)
-                + ',"backend":' + json.dumps(self.opts.name) + ',"request_id":' + json.dumps(rid) + ",").encode()
-
-    async def _stream_until_close(self, writer: asyncio.StreamWriter, model: str, rid: str, tokens: int,
-                                  interval: float, ttft: float) -> bool:
-        """The head at once, then raw SSE events; the end of the body is the end of the connection."""
-        writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                     f"Connection: close\r\nX-Request-ID: {rid}\r\n\r\n".encode())
-        prefix = self._event_prefix(model, rid)
-        if ttft:
-            await asyncio.sleep(ttft)
-        for i in range(tokens):
-            writer.write(prefix + b'"i":%d,"t":%d,"choices":[{"index":0,"delta":{"content":"t%d "},'
-                                  b'"finish_reason":null}]}\n\n' % (i, time.monotonic_ns(), i))
-            if writer.transport.get_write_buffer_size() > 1 << 16:
-                await writer.drain()
-            if interval and i + 1 < tokens:
-                await asyncio.sleep(interval)
-        writer.write(b"data: [DONE]\n\n")
-        await writer.drain()
-        return False  # closing the connection ends the body
+        writer.write(head + frame(b"data: [DONE]\n\n") + (b"" if close else b"0\r\n\r\n"))
+        if close:
+            await writer.drain()
+        return not close
 
 
 class MemoryTransport(asyncio.Transport):
@@ -244,6 +229,14 @@ class LoadResult:
     e2e_ms: list[float] = field(default_factory=list)
     errors: int = 0
     requests: int = 0
+
+    def add(self, other: LoadResult) -> None:
+        """Pool another run's samples and counts into this one."""
+        self.ttft_ms += other.ttft_ms
+        self.chunk_ms += other.chunk_ms
+        self.e2e_ms += other.e2e_ms
+        self.errors += other.errors
+        self.requests += other.requests
 
 
 class _Conn(asyncio.Protocol):

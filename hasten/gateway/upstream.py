@@ -207,7 +207,7 @@ class UpstreamPool:
         self.max_idle = max_idle
         self.preconnect = preconnect
         self.closes_connections = False  # the backend's last response head said it closes the connection
-        self.preconnected = 0  # spare connections opened so far (a counter, for tests and metrics)
+        self.preconnected = 0  # spare connections opened so far
         self._idle: list[UpstreamConnection] = []
         self._connecting: set[asyncio.Task[None]] = set()
         self._pause_until = 0.0  # no preconnect before this (monotonic) after one failed
