@@ -124,6 +124,15 @@ def run_interleaved(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def interleaved_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One (backend kind, streams) cell for --json: TTFT percentiles direct and through the gateway (ms)."""
+    d, g = r["direct"], r["gateway"]
+    row = {"kind": r["kind"], "streams": r["streams"], "errors": d.errors + g.errors, "false_downs": r["downs"]}
+    for q in (50, 99):
+        row[f"direct_ttft_p{q}_ms"], row[f"gateway_ttft_p{q}_ms"] = pct(d.ttft_ms, q), pct(g.ttft_ms, q)
+    return row
+
+
 def report_interleaved(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"\ninterleaved: N streams straight to backend 1 and N through the gateway (least_outstanding over "
           f"backends 1 and 2) at the same time; client: {args.client}; backends: stdlib asyncio, head at once, "

@@ -12,7 +12,7 @@ aiohttp client.
     python benchmarks/bench_client_overhead.py                    # 8 and 200 streams
     python benchmarks/bench_client_overhead.py --streams 8,100,200 --rounds 3 --aiohttp --sock-recv
 
-Pass criteria (issue 9): at 8 streams mean TTFT and TPOT within 1 ms of the reference (and TPOT
+Pass criteria: at 8 streams mean TTFT and TPOT within 1 ms of the reference (and TPOT
 within 1 ms of the true pace); at 100-200 streams at most 5 % above the reference (the median
 over rounds of paired per-round means). Run it on an otherwise idle machine if you can: on a
 shared 2-core box other jobs move every client's numbers by 10-20 ms from round to round.

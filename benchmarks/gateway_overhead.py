@@ -107,6 +107,9 @@ def fake_overhead(args: argparse.Namespace) -> None:
                   file=sys.stderr, flush=True)
         text = scrape(ghost, gport)
         report(args, rows, text)
+        if args.json:
+            args.json.write_text(json.dumps({"nice": args.nice, "rows": [overhead_row(c, res, cpu) for c, res, cpu in rows]},
+                                            indent=2))
     finally:
         for proc in (gateway, pipe, nginx):
             if proc is not None:
@@ -250,6 +253,17 @@ class CpuSample:
         self.machine_total_s += total - self._m[1]
         self.chunks += len(r.chunk_ms)
         self.requests += r.requests
+
+
+def overhead_row(conc: int, res: dict[str, LoadResult], cpu: CpuSample) -> dict[str, float]:
+    """One concurrency cell for --json: direct and gateway TTFT / chunk-delay percentiles (ms)."""
+    d, g = res["direct"], res["gateway"]
+    row: dict[str, float] = {"streams": conc, "errors": sum(r.errors for r in res.values()),
+                             "gateway_us_per_chunk": cpu.gateway_s / cpu.chunks * 1e6 if cpu.chunks else float("nan")}
+    for q in (50, 99):
+        row[f"direct_ttft_p{q}_ms"], row[f"gateway_ttft_p{q}_ms"] = pct(d.ttft_ms, q), pct(g.ttft_ms, q)
+        row[f"direct_chunk_p{q}_ms"], row[f"gateway_chunk_p{q}_ms"] = pct(d.chunk_ms, q), pct(g.chunk_ms, q)
+    return row
 
 
 def _added(base: list[float], other: list[float]) -> str:
@@ -438,6 +452,7 @@ def main() -> None:
                         "(Connection: close, close-delimited body)")
     p.add_argument("--client", choices=("lean", "httpx", "httpx-close"), default="lean",
                    help="interleaved mode: the load client (httpx-close: httpx with Connection: close)")
+    p.add_argument("--json", type=Path, default=None, help="also write the fake-backend or interleaved rows here")
     p.add_argument("--_pipe", help=argparse.SUPPRESS)
     args = p.parse_args()
     with contextlib.suppress(ImportError):
@@ -449,7 +464,7 @@ def main() -> None:
         return
     args.load_before = os.getloadavg()[0]
     if args.interleaved:
-        from _gateway_interleaved import report_interleaved, run_interleaved
+        from _gateway_interleaved import interleaved_row, report_interleaved, run_interleaved
 
         if "--ttft-ms" not in sys.argv:
             args.ttft_ms = 100.0
@@ -457,7 +472,10 @@ def main() -> None:
             args.tokens = 50
         if "--interval-ms" not in sys.argv:
             args.interval_ms = 20.0
-        report_interleaved(args, run_interleaved(args))
+        rows = run_interleaved(args)
+        report_interleaved(args, rows)
+        if args.json:
+            args.json.write_text(json.dumps({"nice": args.nice, "rows": [interleaved_row(r) for r in rows]}, indent=2))
         return
     if not args.skip_fake:
         fake_overhead(args)

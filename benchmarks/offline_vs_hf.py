@@ -78,10 +78,10 @@ def main() -> None:
     results["a_batch1_decode_tok_s"] = {"hasten": max(h_rates), "transformers": max(t_rates)}
 
     # (b) 64 mixed requests
-    n_req = 16 if args.quick else 64
-    prompts = build_prompts(vocab, n_req, 32, 512, seed=2)
+    n_req = 8 if args.quick else 64
+    prompts = build_prompts(vocab, n_req, 32, 128 if args.quick else 512, seed=2)
     g = torch.Generator().manual_seed(3)
-    outs = torch.randint(32, 257, (n_req,), generator=g).tolist()
+    outs = torch.randint(16 if args.quick else 32, 65 if args.quick else 257, (n_req,), generator=g).tolist()
     total_out = sum(outs)
     llm.engine.kv.reset_prefix_cache()
     t = time.perf_counter()

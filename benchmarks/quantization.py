@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-port", type=int, default=18091)
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: fp32, bf16, int8, int4 AWQ and GGUF only, 1 round, 16 tokens, 512 ppl tokens")
     args = ap.parse_args(argv)
 
     from hasten import LLM
@@ -127,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         Variant("gguf-q4_1", qd, {"quantization": "gguf", "quant_int4_kernel": "hasten"}),
         Variant("gguf-q4_1-q8", qd, {"quantization": "gguf"}),  # auto: int8 activations, as llama.cpp
     ]
+    if args.quick:
+        keep = {"fp32", "bf16", "int8", f"int4-awq-g{args.group_size}", "gguf-q4_1-q8"}
+        variants = [v for v in variants if v.label in keep]
+        args.rounds, args.new_tokens, args.ppl_tokens = 1, 16, min(args.ppl_tokens, 512)
     max_len = max(512, args.ppl_tokens and 257)
     blocks = 16 * -(-(args.prompt_len + args.new_tokens + 16) // 16) + -(-max_len // 16) + 8
     for v in variants:

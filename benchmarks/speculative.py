@@ -124,8 +124,8 @@ def main() -> None:
         "draft": LLM(args.model, speculative=f"draft:{draft}", num_speculative_tokens=args.k,
                      speculative_draft_quantization=args.draft_quantization, **common),
     }
-    n_prompts = 4 if args.quick else 8
-    max_tokens = 48 if args.quick else args.max_tokens
+    n_prompts = 2 if args.quick else 8
+    max_tokens = 32 if args.quick else args.max_tokens
     workloads = {
         "grounded": [base.engine.apply_chat_template([{"role": "user", "content": p}]) for p in GROUNDED[:n_prompts]],
         "chat": [base.engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT[:n_prompts]],
@@ -172,8 +172,10 @@ def main() -> None:
     print("b1 tok/s: end to end, prefill included; b1 decode: tokens after the first / time after the first; "
           f"each variant's best of {args.rounds} interleaved rounds")
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{w}/{n}": {k: v for k, v in r.items() if k != "tokens"}
-                                               for (w, n), r in results.items()}, indent=2))
+        Path(args.json).write_text(json.dumps({
+            f"{w}/{n}": {**{k: v for k, v in r.items() if k != "tokens"},
+                         "same_output": r["tokens"] == results[(w, "off")]["tokens"]}
+            for (w, n), r in results.items()}, indent=2))
 
 
 if __name__ == "__main__":

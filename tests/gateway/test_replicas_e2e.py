@@ -15,6 +15,8 @@ import pytest
 from gw_helpers import ROOT, Cluster, Proc, _env, request, wait_until
 from poison_engine import POISON_SEED
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 SERVE = ["--max-model-len", "256", "--num-kv-blocks", "64", "-O", "num_threads=1", "--log-level", "warning"]
 
 

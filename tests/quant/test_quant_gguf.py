@@ -14,6 +14,8 @@ from hasten.quant.formats import quantize_int4  # noqa: E402
 from hasten.quant.gguf_blocks import q4_blocks_to_int4, q8_blocks_to_int8  # noqa: E402
 from hasten.quant.kernels import Int4HastenLinear, Int4Linear, Int8Linear  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())

@@ -17,6 +17,8 @@ import pytest
 
 from hasten.server.auth import presented_key
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "tests.server.fake_engine:FakeAsyncLLM.from_options"
 KEY = "sk-test-123"

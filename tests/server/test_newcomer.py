@@ -16,6 +16,8 @@ import pytest
 from hasten.bench.cli import main as bench_main
 from hasten.bench.fake_server import FakeServerConfig, ServerThread
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -26,6 +26,8 @@ from hasten.engine.async_engine import AsyncLLM  # noqa: E402
 from hasten.server.engine_process import ProcessEngine  # noqa: E402
 from hasten.testing import make_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 
 def _process_engine(model: str, **options: object) -> ProcessEngine:
     # One torch thread in the child: on a small shared CPU box, an OpenMP team per process thrashes.

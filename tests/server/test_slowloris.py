@@ -19,6 +19,8 @@ import pytest
 
 from .test_cli import FACTORY, ROOT, free_port
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.5
 KEEP_ALIVE = 1.0

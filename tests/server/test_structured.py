@@ -29,6 +29,8 @@ from hasten.server.grammar_limits import StructuredLimits, check_counts, check_s
 from hasten.server.protocol import JsonSchemaSpec, ResponseFormat  # noqa: E402
 from hasten.server.structured import GrammarLogitsProcessor, StructuredOutput  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 PERSON = {
     "type": "object",
     "properties": {

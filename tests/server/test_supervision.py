@@ -20,6 +20,8 @@ from hasten.testing import make_tiny_model
 
 from .harness import ServerThread
 
+pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
+
 OPTIONS = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64, num_threads=1)
 # long enough that no stream can finish before the kill, even when the four start far apart
 LONG = {"prompt": "tell me a story", "max_tokens": 1800, "ignore_eos": True, "temperature": 0}
