@@ -56,7 +56,8 @@ def make_tiny_model(
     config_overrides: dict | None = None,
 ) -> Path:
     """Write a random `arch` model + tokenizer into `path`: llama | qwen2 | qwen3 | mistral | gemma2 |
-    gemma3 (text) | phi3 | granite. sliding_window: Mistral / Phi-3 on every layer, Gemma on its
+    gemma3 (text) | phi3 | granite | mixtral | qwen3_moe | olmoe (4 experts, top 2). sliding_window:
+    Mistral / Phi-3 / Mixtral on every layer, Gemma on its
     sliding layers (Gemma 2: every other one; Gemma 3 here: every other one too, sliding_window_pattern
     2). config_overrides: more fields for the transformers config (multipliers, soft caps, ...)."""
     import torch
@@ -106,6 +107,18 @@ def make_tiny_model(
     elif arch == "granite":
         config = transformers.GraniteConfig(**common)
         cls = transformers.GraniteForCausalLM
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2,
+                                               "sliding_window": sliding_window, **common})
+        cls = transformers.MixtralForCausalLM
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**{"head_dim": head_dim, "num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": hidden_size, "norm_topk_prob": True,
+                                                **common})
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "olmoe":
+        config = transformers.OlmoeConfig(**{"num_experts": 4, "num_experts_per_tok": 2, **common})
+        cls = transformers.OlmoeForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)

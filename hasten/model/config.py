@@ -1,8 +1,9 @@
 """One ModelConfig for every supported decoder, built from a HF config.json dict.
 
 The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) is the base; the other families
-(Gemma 2 / 3, Phi-3 / Phi-4, Granite) are the same decoder with a few switches, read from their
-configs by hasten/model/gemma.py, phi3.py and granite.py.
+(Gemma 2 / 3, Phi-3 / Phi-4, Granite, and the mixture-of-experts Mixtral, Qwen3-MoE and OLMoE) are
+the same decoder with a few switches, read from their configs by hasten/model/gemma.py, phi3.py,
+granite.py and moe.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from hasten.model.gemma import gemma_fields
 from hasten.model.granite import granite_fields
+from hasten.model.moe import MOE_FAMILIES, moe_fields
 from hasten.model.phi3 import phi3_fields, phi3_rope_config
 from hasten.model.rope_params import RopeSpec, rope_from_hf
 
@@ -25,11 +27,15 @@ SUPPORTED_ARCHS = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # config.json "model_type" -> family, for configs without "architectures"
 MODEL_TYPES = {
     "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-    "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite",
+    "gemma3_text": "gemma3", "phi3": "phi3", "granite": "granite", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
 }
 # family -> the models it covers (`hasten models`)
 FAMILY_MODELS = {
@@ -41,6 +47,9 @@ FAMILY_MODELS = {
     "gemma3": "Gemma 3 text-only (q/k norms, local RoPE theta on the sliding-window layers)",
     "phi3": "Phi-3 / Phi-3.5-mini, Phi-4, Phi-4-mini (fused projections, partial rotary, LongRoPE)",
     "granite": "Granite 3.x dense (embedding / attention / residual / logits multipliers)",
+    "mixtral": "Mixtral 8x7B / 8x22B (mixture of experts, top-2 of 8, renormalised)",
+    "qwen3_moe": "Qwen3-MoE, e.g. Qwen3-30B-A3B (top-k of 128 experts, norm_topk_prob, mlp_only_layers)",
+    "olmoe": "OLMoE (top-8 of 64 experts, q/k norms over the whole projection, clip_qkv)",
 }
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -79,6 +88,13 @@ class ModelConfig:
     layer_windows: list[int] = field(default_factory=list)  # per layer: sliding window (0: every key); [] none
     local_rope_theta: float | None = None  # Gemma 3: RoPE theta of the sliding-window layers
     local_rope_scaling: dict[str, Any] | None = None
+    # Mixture of experts (hasten/model/moe.py); num_experts 0: dense MLPs everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: list[bool] = field(default_factory=list)  # per layer: True where the MLP is a MoE block
+    qk_norm_full: bool = False  # OLMoE: the q / k norms span the whole projection, not one head
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -104,7 +120,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -117,12 +133,29 @@ class ModelConfig:
             fields.update(phi3_fields(cfg, fields["head_dim"]))
         elif family == "granite":
             fields.update(granite_fields(cfg))
+        elif family in MOE_FAMILIES:
+            fields.update(moe_fields(cfg, family, fields["num_layers"]))
         fields["hidden_act"] = activation(fields["hidden_act"])
         fields["layer_windows"] = layer_windows(cfg, family, fields["num_layers"])
         return cls(**fields)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def linear_names(self) -> list[str]:
+        """The names the decoder gives its projections when it asks a LinearFactory for them."""
+        names = []
+        for i in range(self.num_layers):
+            names += [f"layers.{i}.qkv_proj", f"layers.{i}.o_proj"]
+            if self.is_moe(i):
+                names += [f"layers.{i}.experts.{e}.{p}" for e in range(self.num_experts)
+                          for p in ("gate_up_proj", "down_proj")]
+            else:
+                names += [f"layers.{i}.gate_up_proj", f"layers.{i}.down_proj"]
+        return names
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: the layer attends to every earlier key)."""
@@ -162,7 +195,7 @@ def layer_windows(cfg: dict[str, Any], family: str, num_layers: int) -> list[int
     the first; Gemma 3: all but every `sliding_window_pattern`-th; Qwen2/3: the layers from
     max_window_layers on, only with use_sliding_window; Mistral, Phi-3 and others: every layer)."""
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
     if not window:
         return []
@@ -179,7 +212,7 @@ def layer_windows(cfg: dict[str, Any], family: str, num_layers: int) -> list[int
     elif family == "gemma3":
         pattern = int(cfg.get("sliding_window_pattern", 6))
         sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(cfg.get("max_window_layers", num_layers))
         sliding = [i >= first for i in range(num_layers)]
     else:

@@ -1,5 +1,6 @@
 """The decoder over a paged KV cache: the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) and
-the families that differ from it by a few switches in ModelConfig (Gemma 2 / 3, Phi-3 / Phi-4, Granite).
+the families that differ from it by a few switches in ModelConfig (Gemma 2 / 3, Phi-3 / Phi-4, Granite,
+and the mixture-of-experts Mixtral, Qwen3-MoE and OLMoE, whose MLPs are hasten/model/moe.py's).
 
 Weights are held in small dataclasses (hasten/model/weights.py); every projection is a callable
 built by a `LinearFactory` (float by default, quantized layouts from hasten.quant). q/k/v and
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from hasten.model.config import ModelConfig
 from hasten.model.layers import AttentionMetadata, paged_attention, rms_norm
 from hasten.model.linear import LinearFactory, LinearLayer, dense_factory
+from hasten.model.moe import moe_forward
 from hasten.model.rope import RotaryEmbedding, apply_rope
 from hasten.model.weights import LayerWeights, StateReader, load_layer
 
@@ -98,9 +100,30 @@ class Decoder:
         return delta * scale if scale != 1.0 else delta
 
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if lw.moe is not None:
+            silu_mul = self.ops.silu_mul if self.ops is not None and self.cfg.hidden_act == "silu" else None
+            return moe_forward(lw.moe, x, self.act, silu_mul)
         gate_up = lw.gate_up_proj(x)
         inter = gate_up.shape[-1] // 2
         return lw.down_proj(self.act(gate_up[:, :inter]) * gate_up[:, inter:])
+
+    def _qk_norm(self, lw: LayerWeights, qkv: torch.Tensor, norm: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """q and k RMSNormed before RoPE, per head (Qwen3, Gemma 3) or over the whole projection
+        (OLMoE), then q, k and v clamped where the config says so (OLMoE's clip_qkv)."""
+        cfg = self.cfg
+        t, d, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
+        qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+        if lw.q_norm is not None:
+            q, k = qkv[:, :qd], qkv[:, qd : qd + kd]
+            if cfg.qk_norm_full:
+                q, k = norm(q.contiguous(), lw.q_norm, eps), norm(k.contiguous(), lw.k_norm, eps)
+            else:
+                q = norm(q.reshape(-1, d), lw.q_norm, eps).reshape(t, qd)
+                k = norm(k.reshape(-1, d), lw.k_norm, eps).reshape(t, kd)
+            qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
+        if cfg.clip_qkv is not None:
+            qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+        return qkv
 
     def _attend(self, i: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
@@ -144,17 +167,12 @@ class Decoder:
         if self.ops is not None:
             return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
-        eps, t = cfg.rms_norm_eps, input_ids.shape[0]
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        eps = cfg.rms_norm_eps
         tables = self._rope_tables(positions)
         h = self._embed(input_ids)
         for i, (lw, caches) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(h, lw.input_norm, eps)
-            qkv = lw.qkv_proj(x)
-            if lw.q_norm is not None:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
-                q = rms_norm(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), lw.q_norm, eps).reshape(t, qd)
-                k = rms_norm(qkv[:, qd : qd + kd].reshape(t, cfg.num_kv_heads, cfg.head_dim), lw.k_norm, eps).reshape(t, kd)
-                qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
+            qkv = self._qk_norm(lw, lw.qkv_proj(x), rms_norm)
             q = self._rope_and_cache(qkv, *tables[i], meta.slot_mapping, caches)
             o = lw.o_proj(self._attend(i, q, caches, meta))
             if lw.attn_out_norm is not None:
@@ -177,7 +195,6 @@ class Decoder:
         (a few more for the switches of Gemma and Granite; partial rotary rotates in PyTorch)."""
         cfg, ops = self.cfg, self.ops
         eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qd, kd = heads * d, kv_heads * d
         slots = meta.slot_mapping
         partial = cfg.rotary_dim not in (0, d)
         tables = self._rope_tables(positions) if partial else None
@@ -186,11 +203,8 @@ class Decoder:
         last = len(self.layers) - 1
         for i, (lw, caches) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = _contiguous(lw.qkv_proj(x))
-            if lw.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
-                t = qkv.shape[0]
-                q = ops.rms_norm(qkv[:, :qd].reshape(-1, d), lw.q_norm, eps).view(t, qd)
-                k = ops.rms_norm(qkv[:, qd : qd + kd].reshape(-1, d), lw.k_norm, eps).view(t, kd)
-                qkv = torch.cat([q, k, qkv[:, qd + kd :]], dim=1)
+            if lw.q_norm is not None or cfg.clip_qkv is not None:
+                qkv = self._qk_norm(lw, qkv, ops.rms_norm)
             if tables is not None:
                 q = self._rope_and_cache(qkv, *tables[i], slots, caches)
             else:
@@ -200,18 +214,17 @@ class Decoder:
             if lw.attn_out_norm is not None:
                 o = ops.rms_norm(o, lw.attn_out_norm, eps)
             x = ops.add_rms_norm(h, self._branch(o), lw.post_norm, eps)
-            gate_up = _contiguous(lw.gate_up_proj(x))
-            if cfg.hidden_act == "silu":
-                act = ops.silu_mul(gate_up)
-            else:
-                inter = gate_up.shape[-1] // 2
-                act = self.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            down = _contiguous(lw.down_proj(act))
+            down = _contiguous(self._mlp_fused(lw, x))
             if lw.mlp_out_norm is not None:
                 down = ops.rms_norm(down, lw.mlp_out_norm, eps)
             norm = self.final_norm if i == last else self.layers[i + 1].input_norm
             x = ops.add_rms_norm(h, self._branch(down), norm, eps)
         return x
+
+    def _mlp_fused(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if lw.moe is not None or self.cfg.hidden_act != "silu":
+            return self._mlp(lw, x)
+        return lw.down_proj(self.ops.silu_mul(_contiguous(lw.gate_up_proj(x))))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab]: Granite divides them by logits_scaling, Gemma 2 soft-caps them."""

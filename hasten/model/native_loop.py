@@ -41,9 +41,10 @@ def loop_covers(model: Any) -> bool:
     """Whether the loop computes this model's layers: the Llama family's layer (q/k norms, biases and
     a per-layer sliding window included) with one full-width RoPE table. Not (the Python loop runs
     them): GeGLU, sandwich norms, embedding / residual multipliers, attention soft-capping, partial
-    rotary, per-layer RoPE tables (Gemma 2 / 3, Granite, Phi-4-mini)."""
+    rotary, per-layer RoPE tables (Gemma 2 / 3, Granite, Phi-4-mini), mixtures of experts, OLMoE's
+    whole-projection q/k norms and clip_qkv."""
     cfg = model.cfg
-    return (cfg.hidden_act == "silu" and not cfg.sandwich_norms and model.embed_scale is None
+    return (cfg.hidden_act == "silu" and not cfg.num_experts and not cfg.qk_norm_full and cfg.clip_qkv is None and not cfg.sandwich_norms and model.embed_scale is None
             and cfg.residual_scale == 1.0 and not model.softcap and cfg.rotary_dim in (0, cfg.head_dim)
             and all(rope is model.rope for rope in model.layer_ropes))
 

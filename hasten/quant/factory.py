@@ -109,7 +109,7 @@ def expected_layer_names(folder: Path, quantize_lm_head: bool) -> set[str]:
     from hasten.model.loader import load_hf_config
 
     cfg = ModelConfig.from_hf(load_hf_config(folder))
-    names = {f"layers.{i}.{p}" for i in range(cfg.num_layers) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    names = set(cfg.linear_names())
     return names | ({"lm_head"} if quantize_lm_head else set())
 
 

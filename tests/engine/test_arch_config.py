@@ -92,7 +92,7 @@ def test_granite_multipliers_and_qwen_sliding_window_switch():
     assert mistral.layer_windows == [4096] * 12 and mistral.window(3) == 4096
 
 
-@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Gemma3ForConditionalGeneration"])
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Gemma3ForConditionalGeneration"])
 def test_unsupported_architecture_names_it_and_the_supported_list(tmp_path, arch):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": [arch]}))
     from hasten import LLM
