@@ -448,5 +448,9 @@ def _model_name(model: str | None, folder) -> str:
         return DEFAULT_MODEL_NAME
     from pathlib import Path
 
+    from hasten.model.loader import looks_like_hub_id
+
     p = Path(model)
+    if not p.exists() and looks_like_hub_id(model):
+        return model  # a Hub id, served under the name it was asked for
     return p.stem if p.suffix == ".gguf" else p.name

@@ -1,4 +1,5 @@
-"""Find and load weights: a Hugging Face folder (config.json + safetensors) or a GGUF file.
+"""Find and load weights: a Hugging Face folder (config.json + safetensors), a GGUF file, or a Hub
+model id ("org/name") already in the local Hugging Face cache (nothing is downloaded at run time).
 
 A GGUF file is converted once into a HF-style folder (config.json, model.safetensors,
 tokenizer files) under the hasten cache directory, so later starts load it directly.
@@ -44,12 +45,48 @@ def default_model_path() -> Path:
     return files[0]
 
 
+def looks_like_hub_id(model: str) -> bool:
+    """"org/name" as typed for the Hugging Face Hub (not a relative or absolute path, not a .gguf)."""
+    parts = str(model).split("/")
+    return len(parts) == 2 and all(parts) and not str(model).startswith((".", "~")) and not str(model).endswith(".gguf")
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face cache folder as huggingface_hub finds it (HF_HUB_CACHE, HF_HOME, ~/.cache)."""
+    env = os.environ
+    explicit = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"),
+                                               "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot folder of Hub model `repo_id` (its main revision), without network access."""
+    from huggingface_hub import snapshot_download
+
+    cache = hf_hub_cache()
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=str(cache), local_files_only=True))
+    except Exception as e:  # LocalEntryNotFoundError, a malformed cache entry, an invalid repo id
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local path and not in the Hugging Face cache at {cache} "
+            f"(hasten does not download at run time): fetch it first, e.g. `huggingface-cli download {repo_id}`, "
+            f"or pass a local folder with config.json + safetensors or a .gguf file ({type(e).__name__})"
+        ) from None
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Return a local HF-style folder for `model` (None = the default model), converting GGUF once."""
+    """Return a local HF-style folder for `model` (None = the default model; "org/name" = that Hub
+    model from the local Hugging Face cache), converting GGUF once."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and model is not None and looks_like_hub_id(str(model)):
+        path = hub_snapshot(str(model))
     if not path.exists():
         raise FileNotFoundError(
-            f"model {str(model)!r} not found: pass a local folder with config.json + safetensors or a .gguf file"
+            f"model {str(model)!r} not found: pass a local folder with config.json + safetensors, a .gguf file, "
+            "or a Hub id (org/name) in the local Hugging Face cache"
         )
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
