@@ -17,6 +17,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb
     enable_prefix_caching: bool = True
+    # sliding-window models (every layer windowed, C++ attention): release a request's blocks that no
+    # layer's window reaches any more, so long sequences hold about window / block_size blocks
+    free_blocks_outside_window: bool = True
     # scheduling
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget

@@ -78,7 +78,11 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} sequence "
                 f"(needs {min_blocks}); raise kv_cache_memory_gb or lower max_model_len"
             )
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        windows = self.model.windows
+        # the C++ kernel reads only the blocks a window reaches (the sdpa path gathers every block)
+        early_free = config.free_blocks_outside_window and self.attention_backend == "cpp" and all(w > 0 for w in windows)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, max(windows) if early_free else 0)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -89,7 +93,6 @@ class LLMEngine:
             ),
             self.kv,
         )
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
         self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
         self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)

@@ -4,6 +4,8 @@ The tensors live in the model runner; this module only decides which block ids e
 request owns. Full blocks are keyed by a hash chain (parent hash + the block's token ids
 + an optional cache salt), so two requests that share a prefix share its blocks.
 Unreferenced cached blocks stay reusable until the pool needs them (LRU eviction).
+For a model whose every layer has a sliding window, blocks that no future query can see any more
+are released while the request runs (they keep their place in its block table, unread).
 """
 
 from __future__ import annotations
@@ -92,10 +94,14 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0):
+        """sliding_window > 0: the widest window of a model whose every layer is windowed; blocks
+        behind it are released early (free_outside_window)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.window_freed_blocks = 0  # blocks released early so far
         self.stats = PrefixCacheStats()
 
     @property
@@ -164,17 +170,30 @@ class KVCacheManager:
             self.pool.register(req.block_ids[i], req.block_hashes[i])
         req.num_cached_blocks = full
 
+    def free_outside_window(self, req: Request) -> None:
+        """Release the leading blocks that no query from position num_computed_tokens on can see:
+        a query at position p sees keys p - window + 1 .. p, so block i is dead once
+        (i + 1) * block_size <= num_computed_tokens - window + 1."""
+        if self.sliding_window <= 0:
+            return
+        dead = min(len(req.block_ids), max(0, req.num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        if dead > req.num_window_freed:
+            self.pool.release(list(reversed(req.block_ids[req.num_window_freed : dead])))
+            self.window_freed_blocks += dead - req.num_window_freed
+            req.num_window_freed = dead
+
     def trim(self, req: Request, num_tokens: int) -> None:
         """Release the blocks past the first `num_tokens` tokens (e.g. slots of rejected drafts)."""
-        keep = -(-num_tokens // self.block_size)
+        keep = max(-(-num_tokens // self.block_size), req.num_window_freed)
         if len(req.block_ids) > keep:
             self.pool.release(list(reversed(req.block_ids[keep:])))
             del req.block_ids[keep:]
 
     def free(self, req: Request) -> None:
-        self.pool.release(list(reversed(req.block_ids)))
+        self.pool.release(list(reversed(req.block_ids[req.num_window_freed :])))
         req.block_ids = []
         req.num_cached_blocks = 0
+        req.num_window_freed = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached-but-unowned blocks (used by tests and benchmarks)."""

@@ -121,6 +121,7 @@ class Scheduler:
         for req in order:
             if req not in self.running:
                 continue  # preempted earlier in this loop
+            self.kv.free_outside_window(req)
             n = self._tokens_wanted(req, budget)
             if n <= 0:
                 continue
