@@ -36,7 +36,7 @@ class EngineConfig:
     ngram_scaled_depth: bool = True  # fewer drafts after 1- and 2-token matches (spec/ngram.py)
     # model execution
     quantization: str | None = None  # None | int8 | int4 | gguf (weight-only; see hasten.quant)
-    # quantization options (also quantization="gguf": serve the GGUF's own Q8_0/Q4_0/Q4_1 blocks)
+    # quantization options (also quantization="gguf": serve the GGUF's own Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0 blocks)
     quant_method: str = "rtn"  # int4 recipe: rtn (round-to-nearest) | awq (activation-aware scales)
     quant_group_size: int = 32  # int4 group: 32 | 64 | 128 (a layer whose K it does not divide uses a smaller one)
     quant_symmetric: bool = False  # int4: symmetric (zero point 8) or asymmetric (per-group min)

@@ -21,6 +21,10 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
                                const at::Tensor& mins8, int64_t group, int64_t N);
 std::vector<at::Tensor> int8_pack_rows8(const at::Tensor& qweight, const at::Tensor& scales);
 at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8, int64_t N);
+std::vector<at::Tensor> int8g_pack_rows8(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+                                         int64_t group);
+at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                                const at::Tensor& mins8, int64_t group, int64_t N);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores)

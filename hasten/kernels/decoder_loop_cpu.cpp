@@ -22,13 +22,14 @@
 
 namespace {
 
-enum class LinearKind { kDense, kTiled, kInt4, kInt4Q8, kInt8, kPython };
+enum class LinearKind { kDense, kTiled, kInt4, kInt4Q8, kInt8, kInt8G, kPython };
 
 struct Linear {
   LinearKind kind = LinearKind::kDense;
   at::Tensor w, scales, mins;  // dense/tiled: w [N, K]; int4: codes, scales, mins; int8: qweight, scales
   std::optional<at::Tensor> packed8, scales8, mins8;  // int4_q8: the int8 GEMM's layout (int4_pack_rows8)
   int64_t group = 0;
+  int64_t out_features = 0;  // int8g: N (the packed layout rounds it up to a multiple of 8)
   int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs (Int4HastenLinear's)
   std::optional<at::Tensor> bias, inv_input_scale;
   py::object callable;
@@ -63,6 +64,9 @@ struct Linear {
       case LinearKind::kInt8:
         y = int8_linear(x.contiguous(), w, scales);
         break;
+      case LinearKind::kInt8G:  // w, scales, mins: int8g_pack_rows8's layout
+        y = int8g_linear_q8_gemm(x.contiguous(), w, scales, mins, group, out_features);
+        break;
       default:
         TORCH_CHECK(false, "unknown linear kind");
     }
@@ -73,11 +77,12 @@ struct Linear {
 
 Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int64_t group,
                    std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable,
-                   int64_t gemm_min_rows) {
+                   int64_t gemm_min_rows, int64_t out_features) {
   Linear l;
   static const std::vector<std::pair<std::string, LinearKind>> kinds = {
       {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
-      {"int4_q8", LinearKind::kInt4Q8}, {"int8", LinearKind::kInt8}, {"python", LinearKind::kPython}};
+      {"int4_q8", LinearKind::kInt4Q8}, {"int8", LinearKind::kInt8}, {"int8g", LinearKind::kInt8G},
+      {"python", LinearKind::kPython}};
   bool found = false;
   for (const auto& [name, k] : kinds)
     if (name == kind) {
@@ -89,6 +94,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
                       : l.kind == LinearKind::kInt4Q8 && tensors.size() == 6             ? 6
                       : l.kind == LinearKind::kInt4 || l.kind == LinearKind::kInt4Q8     ? 3
                       : l.kind == LinearKind::kInt8                                      ? 2
+                      : l.kind == LinearKind::kInt8G                                     ? 3
                                                                                          : 1;
   TORCH_CHECK(tensors.size() == want, kind, " linear takes ", want, " tensors, got ", tensors.size());
   if (want >= 1) l.w = tensors[0];
@@ -103,6 +109,8 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
   TORCH_CHECK(l.kind != LinearKind::kPython || (callable && !callable.is_none()), "a python linear needs a callable");
   l.group = group;
   l.gemm_min_rows = gemm_min_rows;
+  l.out_features = out_features;
+  TORCH_CHECK(l.kind != LinearKind::kInt8G || out_features > 0, "an int8g linear needs out_features");
   l.bias = std::move(bias);
   l.inv_input_scale = std::move(inv_input_scale);
   l.callable = std::move(callable);
@@ -247,6 +255,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack_rows8", &int8_pack_rows8, nogil, "int8 weight and row scales -> the layout of int8_linear_q8_gemm");
   m.def("int8_linear_q8_gemm", &int8_linear_q8_gemm, nogil,
         "y = x W^T for int8 W with x quantized to int8 per 32 values: u8 x s8 multiply-adds over 8 weight rows at once");
+  m.def("int8g_pack_rows8", &int8g_pack_rows8, nogil,
+        "grouped int8 weight (codes, float32 scales and mins per 16 or 32 k) -> the layout of int8g_linear_q8_gemm");
+  m.def("int8g_linear_q8_gemm", &int8g_linear_q8_gemm, nogil,
+        "y = x W^T for grouped int8 W (scale and min per group) with x quantized to int8 per 32 values");
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
   m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");
@@ -260,9 +272,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Linear>(m, "Linear", "one projection of DecoderLoop: kind, its tensors, bias, AWQ input scale");
   m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
-        arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2,
+        arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2, arg("out_features") = 0,
         "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group; int4_q8 may add int4_pack_rows8's "
-        "three tensors for its int8 GEMM) | int8 [qweight, scales] | python (callable)");
+        "three tensors for its int8 GEMM) | int8 [qweight, scales] | int8g [int8g_pack_rows8's three] (+ group, "
+        "out_features) | python (callable)");
   py::class_<DecoderLoop>(m, "DecoderLoop", "the decoder's layer loop in C++ (see decoder_loop_cpu.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("scale"), arg("embed"), arg("final_norm"),

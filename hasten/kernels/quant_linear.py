@@ -63,6 +63,22 @@ def int8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Te
     return _module().int8_linear_q8_gemm(x, packed, scales8, n)
 
 
+def int8g_pack_rows8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     group: int) -> list[torch.Tensor]:
+    """A grouped int8 weight (int8 [N, K], float32 scales and mins [N, K / group], group 16 or 32) in
+    int8g_linear_q8_gemm's layout: (packed int8 [ceil(N/8), K/4, 8, 4], scales8 and mins8 float32
+    [ceil(N/8), K/group, 8]; mins8 empty when mins is None)."""
+    empty = torch.empty(0, dtype=torch.float32)
+    return _module().int8g_pack_rows8(qweight, scales, empty if mins is None else mins, group)
+
+
+def int8g_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Tensor, mins8: torch.Tensor,
+                         group: int, n: int) -> torch.Tensor:
+    """y = x W^T, W[n, k] = q * scale + min per group, with x rounded to int8 per 32 values (llama.cpp's
+    scheme for its 5-, 6- and 8-bit blocks); the weight from int8g_pack_rows8."""
+    return _module().int8g_linear_q8_gemm(x, packed, scales8, mins8, group, n)
+
+
 def int4_linear_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
     """As int4_linear, computed by dequantizing 64 weight rows at a time to float32 (in cache) and
     running the float32 GEMM on each block: faster once x has more than a few rows."""

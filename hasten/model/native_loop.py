@@ -2,7 +2,7 @@
 
 The loop makes the same kernel calls as Decoder._forward_fused, so it needs the fused C++ ops, the
 in-place attention kernel (flat metadata) and float32 activations. Each projection runs natively
-when its layout is one the loop knows (float32 dense or tiled, hasten's int4 / int8 kernels);
+when its layout is one the loop knows (float32 dense or tiled, hasten's int4 / int8 / grouped int8 kernels);
 any other layer (oneDNN's packed weights, aten's int4pack, ...) is called back in Python.
 """
 
@@ -21,7 +21,7 @@ from hasten.model.linear import DenseLinear, TiledLinear
 
 def native_linear(mod: ModuleType, layer: Any) -> Any:
     """The loop's Linear for one projection (a Python call-back when no native path fits)."""
-    from hasten.quant.kernels import Int4HastenLinear, Int8Linear
+    from hasten.quant.kernels import GroupedInt8Linear, Int4HastenLinear, Int8Linear
 
     if isinstance(layer, TiledLinear):
         return mod.make_linear("tiled", [layer.weight], bias=layer.bias)
@@ -32,6 +32,9 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
         tensors = [layer.codes, layer.scales, layer.mins] + (list(layer.rows8) if layer.rows8 is not None else [])
         return mod.make_linear(kind, tensors, layer.group_size, layer.bias,
                                layer.inv_input_scale, gemm_min_rows=layer.gemm_min_rows)
+    if isinstance(layer, GroupedInt8Linear) and layer.rows8 is not None:
+        return mod.make_linear("int8g", list(layer.rows8), layer.group_size, layer.bias, layer.inv_input_scale,
+                               out_features=layer.n)
     if isinstance(layer, Int8Linear) and layer.kernel == "hasten":
         return mod.make_linear("int8", [layer.qweight, layer.scales], 0, layer.bias, layer.inv_input_scale)
     return mod.make_linear("python", [], callable=layer)

@@ -63,6 +63,33 @@ class Int4Weight:
         return w / self.input_scale[None, :] if self.input_scale is not None else w
 
 
+@dataclass
+class GroupedInt8Weight:
+    """Signed codes int8 [N, K] with a (scale, min) pair per group of 16 or 32 consecutive k:
+    w = q * scale + min. GGUF's 5-, 6- and 8-bit blocks (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) map onto it
+    with their codes unchanged (see hasten/quant/gguf_kquants.py); mins None: all zero."""
+
+    qweight: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K // group_size]
+    mins: torch.Tensor | None  # float32 [N, K // group_size] or None
+    group_size: int
+    bias: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.qweight.shape[0]), int(self.qweight.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        w = self.qweight.float().view(n, k // g, g) * self.scales.float()[..., None]
+        if self.mins is not None:
+            w = w + self.mins.float()[..., None]
+        w = w.view(n, k)
+        return w / self.input_scale[None, :] if self.input_scale is not None else w
+
+
 QuantizedWeight = Int8Weight | Int4Weight
 
 

@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hasten.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
+from hasten.quant.formats import GroupedInt8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 KERNEL_DTYPE = torch.bfloat16
 _N_BLOCK = 32  # the CPU int4 layouts interleave rows in blocks of 32 (AVX2) or 64 + a last 32 (AVX-512)
@@ -366,11 +366,69 @@ class Int4Linear(QuantLinear):
         return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
-def make_layer(qw: QuantizedWeight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
+class GroupedInt8Linear(QuantLinear):
+    """Grouped int8 weights (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): int8g_linear_q8_gemm for every row
+    count (x rounded to int8 per 32 values, llama.cpp's scheme for these blocks), from the layout of
+    int8g_pack_rows8 only. Without the C++ kernels, or with int8_activations=False, each call
+    dequantizes the weight to float32 and multiplies exactly (the reference path, slow)."""
+
+    kind = "int8g"
+
+    def __init__(self, qw: GroupedInt8Weight, int8_activations: bool = True):
+        n, k = qw.shape
+        super().__init__(n, k, qw.bias, qw.input_scale, 1 << 62)
+        from hasten.kernels import quant_linear
+
+        self.group_size = qw.group_size
+        self.int8_activations = int8_activations and quant_linear.load() is not None and k % 32 == 0
+        self.use_kernel = self.int8_activations
+        self.rows8: list[torch.Tensor] | None = None
+        self.float_path: GroupedInt8Weight | None = None  # kept only for the dequantizing path
+        if self.use_kernel:
+            scales = qw.scales.float().contiguous()
+            mins = qw.mins.float().contiguous() if qw.mins is not None else None
+            self.rows8 = quant_linear.int8g_pack_rows8(qw.qweight.contiguous(), scales, mins, qw.group_size)
+            self._op = quant_linear.int8g_linear_q8_gemm
+        else:
+            self.float_path = GroupedInt8Weight(qw.qweight.contiguous(), qw.scales.float(),
+                                            None if qw.mins is None else qw.mins.float(), qw.group_size)
+
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._float32_call(self._op, x, *self.rows8, self.group_size, self.n)
+
+    def dequantize_codes(self) -> torch.Tensor:
+        if self.float_path is not None:
+            return self.float_path.dequantize()
+        packed, s8, m8 = self.rows8
+        n8 = packed.shape[0]
+        pos = packed.permute(0, 2, 1, 3).reshape(n8 * 8, self.k)[: self.n].float()  # run-order positions
+        p = torch.arange(self.k) % 32
+        k_of_pos = torch.arange(self.k) - p + torch.where(p < 16, 2 * p, 2 * (p - 16) + 1)
+        q = torch.empty_like(pos)
+        q[:, k_of_pos] = pos
+        g = self.group_size
+        scales = s8.permute(0, 2, 1).reshape(n8 * 8, -1)[: self.n]
+        w = q.view(self.n, self.k // g, g) * scales[..., None]
+        if m8.numel():
+            w = w + m8.permute(0, 2, 1).reshape(n8 * 8, -1)[: self.n][..., None]
+        return w.view(self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.rows8 if self.rows8 is not None else [
+            t for t in (self.float_path.qweight, self.float_path.scales, self.float_path.mins) if t is not None]
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
+        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+
+def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
                int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True,
                int8_auto: str = INT8_AUTO) -> QuantLinear:
     if isinstance(qw, Int8Weight):
         return Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
+    if isinstance(qw, GroupedInt8Weight):
+        return GroupedInt8Linear(qw, int8_activations=resolve_int8_kernel(int8_kernel, int8_auto) == "hasten-q8")
     kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
     if kernel.startswith("hasten"):
         return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8", q8_gemm=q8_gemm)

@@ -113,7 +113,7 @@ def test_models_command(capsys):
     assert models_main(["--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert [a["architecture"] for a in info["architectures"]] == list(SUPPORTED_ARCHS)
-    assert info["gguf_native_block_types"] == ["Q4_0", "Q4_1", "Q8_0"]
+    assert info["gguf_native_block_types"] == ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
     assert {g["gguf"] for g in info["gguf_architectures"]} >= {"llama", "qwen2", "qwen3"}
     from hasten.cli import main
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # starts processes or loads the embedded model
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/quant/test_quant_linear_kernel.py",
+    "tests/quant/test_gguf_kquants.py",
     "tests/engine/test_attention_kernel.py",
     "tests/engine/test_arch_attention.py",
     "tests/engine/test_decoder_ops.py",
