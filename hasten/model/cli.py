@@ -10,7 +10,7 @@ from typing import Any
 def supported_models() -> dict[str, Any]:
     """The supported HF architectures (by family), GGUF architectures and GGUF tensor types."""
     from hasten.model.config import FAMILY_MODELS, SUPPORTED_ARCHS
-    from hasten.model.loader import GGUF_ARCHS
+    from hasten.model.gguf_convert import GGUF_ARCHS
     from hasten.quant.gguf_blocks import FLOAT_TYPES, NATIVE_TYPES
 
     return {

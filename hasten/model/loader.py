@@ -13,9 +13,10 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from hasten.model.gguf_convert import convert_gguf_into
 
 logger = logging.getLogger(__name__)
 
@@ -122,85 +123,6 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- GGUF conversion
 
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def gguf_tensor_name_to_hf(name: str) -> str:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise ValueError(f"unknown GGUF tensor {name!r}")
-
-
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
-    rows = w.shape[0]
-    head_dim = rows // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-# llama.cpp's general.architecture -> the HF architecture a GGUF of it is converted to
-GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def gguf_to_hf_config(reader) -> dict:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
-    p = f"{arch}."
-    n_heads = int(_field(reader, p + "attention.head_count"))
-    hidden = int(_field(reader, p + "embedding_length"))
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    hf_arch = GGUF_ARCHS[arch]
-    cfg = {
-        "architectures": [hf_arch],
-        "model_type": arch,
-        "vocab_size": int(_field(reader, p + "vocab_size", len(tokens))),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, p + "block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", n_heads)),
-        "head_dim": int(_field(reader, p + "attention.key_length", hidden // n_heads)),
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, p + "context_length", 4096)),
-        "tie_word_embeddings": not has_output,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    if arch == "qwen2":
-        cfg["attention_bias"] = True
-    return cfg
-
 
 def _gguf_fingerprint(path: Path) -> str:
     st = path.stat()
@@ -213,35 +135,4 @@ def convert_gguf(path: Path) -> Path:
     out = cache_dir() / f"{path.stem}-{_gguf_fingerprint(path)}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    logger.info("converting %s into %s (once)", path, out)
-    reader = GGUFReader(str(path))
-    cfg = gguf_to_hf_config(reader)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = gguf_tensor_name_to_hf(t.name)
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
-            arr = unpermute_rope_rows(arr, heads)
-        state[name] = torch.from_numpy(np.array(arr, copy=True))
-    save_file(state, str(tmp / "model.safetensors"))
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    template = _field(reader, "tokenizer.chat_template")
-    if template and not getattr(tok, "chat_template", None):
-        tok.chat_template = template
-    tok.save_pretrained(str(tmp))
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp / "hasten_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    return convert_gguf_into(path, out)

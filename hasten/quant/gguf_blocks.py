@@ -129,6 +129,9 @@ def concat_rows(parts: list[QuantizedWeight | GroupedInt8Weight]) -> QuantizedWe
     return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]))
 
 
+# families whose q / k rows llama.cpp permutes for its RoPE (see hasten/model/gguf_convert.py)
+ROPE_PERMUTED = ("llama", "mixtral", "granite")
+_FUSED = {"qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}  # Phi-3 keeps these fused in the file
 _PARTS = {
     "qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "o_proj": ("attn_output",),
@@ -148,7 +151,7 @@ class GGUFLinearFactory:
         them per output row for the per-channel int8 kernel (one rounding, a little less memory)."""
         from gguf import GGUFReader
 
-        from hasten.model.loader import gguf_to_hf_config
+        from hasten.model.gguf_convert import gguf_to_hf_config
 
         self.path = gguf_path
         self.reader = GGUFReader(str(gguf_path))
@@ -166,28 +169,39 @@ class GGUFLinearFactory:
         self.quantize_lm_head = quantize_lm_head
         self.report: dict[str, str] = {}  # layer name -> how it was served
 
-    def gguf_names(self, name: str) -> list[str]:
+    def gguf_names(self, name: str) -> list[tuple[str, int | None]]:
+        """The GGUF tensors (and expert index, for stacked experts) one projection's rows come from."""
         if name == "lm_head":
-            return ["output.weight" if "output.weight" in self.tensors else "token_embd.weight"]
-        _, index, proj = name.split(".")
-        return [f"blk.{index}.{p}.weight" for p in _PARTS[proj]]
+            return [("output.weight" if "output.weight" in self.tensors else "token_embd.weight", None)]
+        parts = name.split(".")
+        if len(parts) == 5 and parts[2] == "experts":  # layers.{i}.experts.{e}.{gate_up_proj|down_proj}
+            exps = ("ffn_gate_exps", "ffn_up_exps") if parts[4] == "gate_up_proj" else ("ffn_down_exps",)
+            return [(f"blk.{parts[1]}.{p}.weight", int(parts[3])) for p in exps]
+        _, index, proj = parts
+        if self.arch == "phi3" and proj in _FUSED:  # Phi-3's attn_qkv, and ffn_up holding gate and up
+            return [(f"blk.{index}.{_FUSED[proj]}.weight", None)]
+        return [(f"blk.{index}.{p}.weight", None) for p in _PARTS[proj]]
 
-    def native(self, gguf_name: str, row_q8: bool = False) -> QuantizedWeight | GroupedInt8Weight:
+    def native(self, gguf_name: str, row_q8: bool = False, expert: int | None = None
+               ) -> QuantizedWeight | GroupedInt8Weight:
         t = self.tensors[gguf_name]
         kind = t.tensor_type.name
         k, n = int(t.shape[0]), int(t.shape[1])
+        data = t.data
+        if expert is not None:  # stacked experts [E, N, row bytes]: one expert's rows
+            data = np.asarray(data).reshape(int(t.shape[2]), n, -1)[expert]
         if kind in ("Q4_0", "Q4_1"):
-            qw: QuantizedWeight | GroupedInt8Weight = q4_blocks_to_int4(t.data, kind, n, k)
+            qw: QuantizedWeight | GroupedInt8Weight = q4_blocks_to_int4(data, kind, n, k)
         elif kind == "Q4_K":
-            qw = q4k_blocks_to_int4(t.data, n, k)
+            qw = q4k_blocks_to_int4(data, n, k)
         elif kind == "Q8_0" and row_q8:
-            qw = q8_blocks_to_int8(t.data, n, k)
+            qw = q8_blocks_to_int8(data, n, k)
         elif kind in CONVERTERS:
-            qw = CONVERTERS[kind](t.data, n, k)
+            qw = CONVERTERS[kind](data, n, k)
         else:
             raise ValueError(f"{gguf_name} is {kind}, not one of {NATIVE_TYPES}")
         part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-        if self.arch == "llama" and part in self.heads:
+        if self.arch in ROPE_PERMUTED and part in self.heads:
             qw = _unpermute_rows(qw, self.heads[part])
         return qw
 
@@ -198,10 +212,11 @@ class GGUFLinearFactory:
             self.report[name] = "dense"
             return DenseLinear(weight, bias)
         names = self.gguf_names(name)
-        kinds = {self.tensors[g].tensor_type.name for g in names}
+        found = all(g in self.tensors for g, _ in names)
+        kinds = {self.tensors[g].tensor_type.name for g, _ in names} if found else {"(no such tensor)"}
         if kinds <= set(NATIVE_TYPES):
             row_q8 = kinds == {"Q8_0"} and self.q8_0 == "row"
-            qw = concat_rows([self.native(g, row_q8) for g in names])
+            qw = concat_rows([self.native(g, row_q8, e) for g, e in names])
             self.report[name] = "+".join(sorted(kinds))
         elif kinds <= set(FLOAT_TYPES):
             self.report[name] = "dense"

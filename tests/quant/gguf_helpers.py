@@ -57,7 +57,7 @@ def write_block_model(folder: Path, kinds: dict[str, str], seed: int = 0) -> Pat
     from gguf import GGUFWriter
     from safetensors.torch import load_file, save_file
 
-    from hasten.model.loader import unpermute_rope_rows
+    from hasten.model.gguf_convert import unpermute_rope_rows
 
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
@@ -96,3 +96,31 @@ def write_block_model(folder: Path, kinds: dict[str, str], seed: int = 0) -> Pat
     save_file(state, str(folder / "model.safetensors"))
     (folder / "hasten_source.json").write_text(json.dumps({"gguf": str((folder / "model.gguf").resolve())}))
     return folder
+
+
+def requantize_gguf(src: Path, dst: Path, kind: str) -> Path:
+    """A copy of the GGUF `src` whose weight matrices (projections, stacked experts and the output
+    head; not norms, routers or the embedding) are `kind` blocks made by the gguf package's own
+    quantizer (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), every metadata field kept."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arr.ndim >= 2 and "ffn_gate_inp" not in t.name and t.name != "token_embd.weight":
+            writer.add_tensor(t.name, quantize(arr, T[kind]), raw_dtype=T[kind])
+        else:
+            writer.add_tensor(t.name, np.ascontiguousarray(arr))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -62,7 +62,8 @@ def test_q8_0_requantized_per_channel_within_bound(weight):
 
 def test_default_gguf_layers_match_the_file():
     """The shipped SmolLM2 Q4_1 GGUF: fused, un-permuted qkv equals the file's blocks dequantized."""
-    from hasten.model.loader import default_model_path, unpermute_rope_rows
+    from hasten.model.gguf_convert import unpermute_rope_rows
+    from hasten.model.loader import default_model_path
     from hasten.quant.gguf_blocks import GGUFLinearFactory
 
     try:
