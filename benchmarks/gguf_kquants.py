@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 16 * -(-(args.prompt_len + args.new_tokens + 16) // 16) + 8
     results = []
     for path in files:
-        print(f"\n{path.name}: tensor types {tensor_types(path)}", flush=True)
+        types = tensor_types(path)
+        print(f"\n{path.name}: tensor types {types}", flush=True)
         llm = LLM(str(path), quantization="gguf", num_kv_blocks=blocks, max_model_len=512, max_num_seqs=16)
         nbytes, nweights = linear_weight_bytes(llm.engine.model)
         layers = served_as(llm.engine.model)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                       "tok/s (b1/b16)", flush=True)
         finally:
             server.stop()
-        results.append({"file": path.name, "types": tensor_types(path), "served_as": layers,
+        results.append({"file": path.name, "types": types, "served_as": layers,
                         "bits_per_weight": 8 * nbytes / nweights, "hasten": ours, "llama_cpp": peer})
         del llm
 

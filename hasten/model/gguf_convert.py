@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from hasten.model.moe import EXPERT_NAMES
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp's general.architecture -> the HF architecture a GGUF of it is converted to (llama with
@@ -53,15 +55,15 @@ _LAYER_NAMES = {
 # Gemma's four norms per layer: input, after attention, before and after the MLP
 _GEMMA_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-# where each MoE family keeps its experts: (block prefix, gate, up, down)
-_EXPERTS = {"mixtral": ("block_sparse_moe.", "w1", "w3", "w2"), "qwen3_moe": ("mlp.", "gate_proj", "up_proj", "down_proj"),
-            "olmoe": ("mlp.", "gate_proj", "up_proj", "down_proj")}
+# families whose q / k rows llama.cpp permutes for its RoPE (LlamaModel and its subclasses there)
+ROPE_PERMUTED = ("llama", "mixtral", "granite")
 _EXPERT_PARTS = {"ffn_gate_exps": 1, "ffn_up_exps": 2, "ffn_down_exps": 3}
 _SKIPPED = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF rotate-half halves)."""
+def unpermute_rope_rows(w: np.ndarray | torch.Tensor, n_heads: int) -> np.ndarray | torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF rotate-half halves); whole
+    rows move, so it applies to weights and to per-row codes and scales alike (numpy or torch)."""
     rows = w.shape[0]
     head_dim = rows // n_heads
     rest = w.shape[1:]
@@ -177,8 +179,8 @@ def gguf_tensor_name_to_hf(name: str, model_type: str = "llama") -> str:
         table = {**_LAYER_NAMES, **_GEMMA_NORMS} if model_type.startswith("gemma") else _LAYER_NAMES
         if model_type == "phi3" and parts[2] == "ffn_up":
             return f"model.layers.{parts[1]}.mlp.gate_up_proj.{parts[3]}"
-        if parts[2] == "ffn_gate_inp" and model_type in _EXPERTS:
-            return f"model.layers.{parts[1]}.{_EXPERTS[model_type][0]}gate.{parts[3]}"
+        if parts[2] == "ffn_gate_inp" and model_type in EXPERT_NAMES:
+            return f"model.layers.{parts[1]}.{EXPERT_NAMES[model_type][0]}gate.{parts[3]}"
         if parts[2] in table:
             return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
     raise ValueError(f"unknown GGUF tensor {name!r}")
@@ -189,12 +191,12 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: dict) -> dict[str, torch.Tensor]
     model_type = cfg["model_type"]
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _EXPERT_PARTS:
-        prefix, *projs = _EXPERTS[model_type]
+        prefix, *projs = EXPERT_NAMES[model_type]
         proj = projs[_EXPERT_PARTS[parts[2]] - 1]
         return {f"model.layers.{parts[1]}.{prefix}experts.{e}.{proj}.weight": torch.from_numpy(np.array(arr[e]))
                 for e in range(arr.shape[0])}
     hf = gguf_tensor_name_to_hf(name, model_type)
-    if model_type in ("llama", "mixtral", "granite") and hf.endswith(("q_proj.weight", "k_proj.weight")):
+    if model_type in ROPE_PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg["num_attention_heads"] if "q_proj" in hf else cfg["num_key_value_heads"]
         arr = unpermute_rope_rows(arr, heads)
     if model_type.startswith("gemma") and hf.endswith("norm.weight"):

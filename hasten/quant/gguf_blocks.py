@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hasten.model.gguf_convert import ROPE_PERMUTED, gguf_to_hf_config, unpermute_rope_rows
 from hasten.model.linear import DenseLinear, LinearLayer
 from hasten.quant.formats import (
     GroupedInt8Weight,
@@ -100,9 +101,7 @@ def q8_blocks_to_int8(data: np.ndarray, n: int, k: int) -> Int8Weight:
 def _unpermute_rows(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
     """llama.cpp permutes q/k rows for its RoPE; rows are whole, so permute codes and scales alike."""
     def perm(t: torch.Tensor) -> torch.Tensor:
-        n = t.shape[0]
-        hd = n // heads
-        return t.reshape(heads, hd // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+        return unpermute_rope_rows(t, heads).contiguous()
 
     if isinstance(qw, Int4Weight):
         return Int4Weight(perm(qw.qweight), perm(qw.scales), perm(qw.mins), qw.group_size)
@@ -129,8 +128,6 @@ def concat_rows(parts: list[QuantizedWeight | GroupedInt8Weight]) -> QuantizedWe
     return Int8Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]))
 
 
-# families whose q / k rows llama.cpp permutes for its RoPE (see hasten/model/gguf_convert.py)
-ROPE_PERMUTED = ("llama", "mixtral", "granite")
 _FUSED = {"qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}  # Phi-3 keeps these fused in the file
 _PARTS = {
     "qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -150,8 +147,6 @@ class GGUFLinearFactory:
         """q8_0: "grouped" serves Q8_0 blocks as they are (a scale per 32 weights); "row" re-scales
         them per output row for the per-channel int8 kernel (one rounding, a little less memory)."""
         from gguf import GGUFReader
-
-        from hasten.model.gguf_convert import gguf_to_hf_config
 
         self.path = gguf_path
         self.reader = GGUFReader(str(gguf_path))

@@ -18,16 +18,9 @@ from hasten.quant.gguf_blocks import q4_blocks_to_int4, q4k_blocks_to_int4  # no
 from hasten.quant.gguf_kquants import CONVERTERS, concat_grouped  # noqa: E402
 from hasten.quant.kernels import GroupedInt8Linear, make_layer  # noqa: E402
 from tests.quant.gguf_helpers import dequantized, random_blocks, write_block_model  # noqa: E402
+from tests.quant.test_quant_linear_kernel import q8_runs  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels unavailable")
-
-
-def q8_runs(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 per 32 values as the kernels do (values), float64."""
-    m, k = x.shape
-    runs = x.double().view(m, k // 32, 32)
-    d = runs.abs().amax(-1, keepdim=True) / 127
-    return (torch.where(d > 0, torch.round(runs / d.clamp_min(1e-300)), 0) * d).view(m, k)
 
 
 @pytest.mark.parametrize("kind", sorted(CONVERTERS))
