@@ -56,11 +56,53 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
             proc.wait(timeout)
 
 
+def llama_server_setting(binary: str) -> tuple[dict[str, str] | None, str]:
+    """Start llama-server once on the GGUF and decode a few tokens: the environment it needs here.
+
+    On some virtual machines the CPU advertises AMX but its tile state is not usable: llama.cpp's
+    AMX kernels (an "extra buffer type", like weight repacking) then die with SIGILL on the first
+    batch. LLAMA_ARG_REPACK=false (= --no-repack) turns the extra buffer types off, so llama.cpp
+    runs its plain AVX-512 / AVX2 kernels. Returns (environment, what was found), or (None, why)
+    when llama-server does not run at all."""
+    import json
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = json.dumps({"prompt": "Hello", "n_predict": 4, "temperature": 0.0}).encode()
+    outcome = ""
+    for env in ({}, {"LLAMA_ARG_REPACK": "false"}):
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen([binary, "-m", str(find_gguf()), "--host", "127.0.0.1", "--port", str(port),
+                                     "-np", "1", "-t", "2", "-c", "1024"], stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **env})
+            try:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and proc.poll() is None:
+                    try:
+                        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                                     {"Content-Type": "application/json"})
+                        with urllib.request.urlopen(req, timeout=30) as resp:
+                            if resp.status == 200:
+                                found = "as built" if not env else (
+                                    f"with LLAMA_ARG_REPACK=false (as built it {outcome} on its first batch)")
+                                return env, found
+                    except OSError:
+                        time.sleep(0.5)
+                outcome = f"exited with {proc.returncode}" if proc.poll() is not None else "did not answer in 60 s"
+            finally:
+                stop_process(proc)
+    return None, f"llama-server {outcome} both as built and with LLAMA_ARG_REPACK=false"
+
+
 class ManagedServer:
     """A server subprocess with its log in a file; stopped on exit."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.cmd, self.port = name, cmd, port
+        self.env = {**os.environ, **env} if env else None
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -68,7 +110,7 @@ class ManagedServer:
     def start(self, timeout: float) -> None:
         print(f"starting {self.name}: {' '.join(self.cmd)}", flush=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _scoreboard_report import ROOT, html, machine_info, markdown, now, save_json, versions  # noqa: E402
 from _scoreboard_suites import SUITES, Context, Row, Suite  # noqa: E402
-from _servers import find_llama_server  # noqa: E402
+from _servers import find_llama_server, llama_server_setting  # noqa: E402
 
 
 def optional_llama_server(explicit: str | None) -> str | None:
@@ -35,49 +35,6 @@ def optional_llama_server(explicit: str | None) -> str | None:
         return find_llama_server(explicit)
     except SystemExit:
         return None
-
-
-def llama_server_setting(binary: str) -> tuple[dict[str, str] | None, str]:
-    """Start llama-server once on the GGUF and decode a few tokens: the environment it needs here.
-
-    On some virtual machines the CPU advertises AMX but its tile state is not usable: llama.cpp's
-    AMX kernels (an "extra buffer type", like weight repacking) then die with SIGILL on the first
-    batch. LLAMA_ARG_REPACK=false (= --no-repack) turns the extra buffer types off, so llama.cpp
-    runs its plain AVX-512 / AVX2 kernels. Returns (environment, what was found), or (None, why)
-    when llama-server does not run at all."""
-    import socket
-    import tempfile
-    import urllib.request
-
-    from _servers import find_gguf, stop_process
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    body = json.dumps({"prompt": "Hello", "n_predict": 4, "temperature": 0.0}).encode()
-    outcome = ""
-    for env in ({}, {"LLAMA_ARG_REPACK": "false"}):
-        with tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen([binary, "-m", str(find_gguf()), "--host", "127.0.0.1", "--port", str(port),
-                                     "-np", "1", "-t", "2", "-c", "1024"], stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **env})
-            try:
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and proc.poll() is None:
-                    try:
-                        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
-                                                     {"Content-Type": "application/json"})
-                        with urllib.request.urlopen(req, timeout=30) as resp:
-                            if resp.status == 200:
-                                found = "as built" if not env else (
-                                    f"with LLAMA_ARG_REPACK=false (as built it {outcome} on its first batch)")
-                                return env, found
-                    except OSError:
-                        time.sleep(0.5)
-                outcome = f"exited with {proc.returncode}" if proc.poll() is not None else "did not answer in 60 s"
-            finally:
-                stop_process(proc)
-    return None, f"llama-server {outcome} both as built and with LLAMA_ARG_REPACK=false"
 
 
 def run_suite(suite: Suite, ctx: Context) -> tuple[list[Row], dict[str, object]]:

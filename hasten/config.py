@@ -46,10 +46,18 @@ class EngineConfig:
     quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 x, exact) | hasten-q8 (int8 x) | torch (aten, bf16 x); auto = hasten, GGUF Q8_0: hasten-q8
     quant_q8_gemm: bool = True  # int8-activation int4 layers: 2+ rows in int8 too (u8 x s8 GEMM; False: float32 GEMM)
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
+    # wide calls (prefill chunks, big decode batches) in bfloat16 against a bfloat16 copy of each quantized
+    # weight (+2 bytes per weight): auto = on where the CPU has AMX tiles | on | off
+    quant_bf16_gemm: str = "auto"
+    quant_bf16_gemm_min_rows: int = 32  # rows of x from which a quantized layer takes the bfloat16 path
     fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)
     native_decoder_loop: bool = True  # float32 + fused ops + cpp attention: the layer loop itself in C++ (bit-identical)
     attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
     attention_prefix_group: int = 8  # cpp: up to N decode sequences read their shared prefix blocks once (<2: off)
+    # cpp: a sequence with this many new tokens (a prefill chunk) attends in bfloat16 SDPA over its gathered
+    # keys/values: auto = on for quantized models where the CPU has AMX tiles (float32 models stay exact) | on | off
+    attention_bf16: str = "auto"
+    attention_bf16_min_rows: int = 32
     cpu_linear_backend: str = "auto"  # auto (= onednn when available) | hasten (C++ register tiles) | onednn (pre-packed) | torch
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests that bring none

@@ -17,6 +17,7 @@ from hasten.engine.sampler import Sampler, prompt_logprobs_for
 from hasten.engine.scheduler import Scheduler, SchedulerConfig
 from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.engine.stats import EngineStats, QueueFullError
+from hasten.kernels.cpu_features import resolve_bf16_rows
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
 from hasten.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -66,6 +67,10 @@ class LLMEngine:
             cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder), fused_ops=config.fused_decoder_ops,
             native_loop=config.native_decoder_loop, attention_group=config.attention_prefix_group,
         )
+        # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
+        bf16_gemm = getattr(self.model.layers[0].qkv_proj, "bf16_weight", None) is not None
+        self.model.set_wide_attention_rows(
+            resolve_bf16_rows("attention_bf16", config.attention_bf16, config.attention_bf16_min_rows, bf16_gemm))
         del state
         bs = config.block_size
         if config.num_kv_blocks:

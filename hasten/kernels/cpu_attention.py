@@ -32,6 +32,7 @@ def paged_attention(
     max_group: int = 8,
     window: int = 0,
     softcap: float = 0.0,
+    wide_rows: int = 0,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -39,9 +40,11 @@ def paged_attention(
     are served by one work item of up to this many sequences that reads each shared block once;
     the result is bit-identical to max_group=1 (off).
     window > 0: each query token sees only its last `window` keys (sliding-window attention; no
-    prefix groups then). softcap > 0: each scaled score x becomes softcap * tanh(x / softcap)."""
+    prefix groups then). softcap > 0: each scaled score x becomes softcap * tanh(x / softcap).
+    wide_rows > 0: a sequence with that many new tokens (no soft cap, a window reaching key 0) attends
+    through SDPA in bfloat16 over its gathered keys and values instead (AMX tiles where present)."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                               window, softcap)
+                               window, softcap, wide_rows)

@@ -27,11 +27,12 @@ at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, c
                                 const at::Tensor& mins8, int64_t group, int64_t N);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 
-// paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores)
+// paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;
+// wide_rows > 0: sequences with that many new tokens in bfloat16 SDPA)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
-                           int64_t max_group, int64_t window = 0, double softcap = 0.0);
+                           int64_t max_group, int64_t window = 0, double softcap = 0.0, int64_t wide_rows = 0);
 
 // decoder_ops_cpu.cpp: the glue between a layer's matmuls
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
@@ -39,4 +40,4 @@ at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
                           at::Tensor& v_cache, int64_t heads, int64_t kv_heads);
-at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor silu_mul(const at::Tensor& gate_up, bool fast = false);

@@ -31,8 +31,16 @@ struct Linear {
   int64_t group = 0;
   int64_t out_features = 0;  // int8g: N (the packed layout rounds it up to a multiple of 8)
   int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs (Int4HastenLinear's)
+  // QuantLinear.enable_bf16_gemm: from bf16_min_rows rows of x on, x in bfloat16 times this bfloat16
+  // copy of the weight (at::linear: oneDNN, AMX tiles where the CPU has them); a python linear keeps
+  // it only to tell the loop which rows it takes in bfloat16 (the callable does the multiply)
+  std::optional<at::Tensor> bf16_weight;
+  int64_t bf16_min_rows = 0;
   std::optional<at::Tensor> bias, inv_input_scale;
   py::object callable;
+
+  // whether a call with `rows` rows of x takes the bfloat16 path
+  bool takes_bf16(int64_t rows) const { return bf16_weight && rows >= bf16_min_rows; }
 
   at::Tensor operator()(const at::Tensor& x_in) const {
     if (kind == LinearKind::kPython) {
@@ -42,6 +50,11 @@ struct Linear {
     at::Tensor x = x_in;
     if (inv_input_scale) x = x * inv_input_scale->to(x.scalar_type());
     at::Tensor y;
+    if (takes_bf16(x.size(0))) {
+      y = at::linear(x.to(at::kBFloat16), *bf16_weight).to(x.scalar_type());
+      if (bias) y += bias->to(y.scalar_type());
+      return y;
+    }
     switch (kind) {
       case LinearKind::kDense:
         return at::linear(x, w, bias);  // bias inside, as F.linear
@@ -77,7 +90,8 @@ struct Linear {
 
 Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int64_t group,
                    std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable,
-                   int64_t gemm_min_rows, int64_t out_features) {
+                   int64_t gemm_min_rows, int64_t out_features, std::optional<at::Tensor> bf16_weight,
+                   int64_t bf16_min_rows) {
   Linear l;
   static const std::vector<std::pair<std::string, LinearKind>> kinds = {
       {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
@@ -111,6 +125,10 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
   l.gemm_min_rows = gemm_min_rows;
   l.out_features = out_features;
   TORCH_CHECK(l.kind != LinearKind::kInt8G || out_features > 0, "an int8g linear needs out_features");
+  TORCH_CHECK(!bf16_weight || (bf16_weight->scalar_type() == at::kBFloat16 && bf16_weight->dim() == 2 && bf16_min_rows >= 1),
+              "bf16_weight: a 2-D bfloat16 tensor, with bf16_min_rows >= 1");
+  l.bf16_weight = std::move(bf16_weight);
+  l.bf16_min_rows = bf16_min_rows;
   l.bias = std::move(bias);
   l.inv_input_scale = std::move(inv_input_scale);
   l.callable = std::move(callable);
@@ -194,7 +212,7 @@ class DecoderLoop {
       at::Tensor q = rope_and_cache(qkv, cos_, sin_, positions, slots, k_caches[i], v_caches[i], heads_, kv_heads_);
       timer.mark(kRope);
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], block_tables, query_start,
-                                        context_lens, scale_, 8, attention_group_, lw.window);
+                                        context_lens, scale_, 8, attention_group_, lw.window, 0.0, wide_attention_rows_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -202,7 +220,7 @@ class DecoderLoop {
       timer.mark(kNorms);
       at::Tensor gate_up = contiguous(lw.gate_up(x));
       timer.mark(kGateUp);
-      at::Tensor act = silu_mul(gate_up);
+      at::Tensor act = silu_mul(gate_up, lw.down.takes_bf16(gate_up.size(0)));
       timer.mark(kSiluMul);
       at::Tensor down = contiguous(lw.down(act));
       timer.mark(kDown);
@@ -215,6 +233,9 @@ class DecoderLoop {
 
   // the paged-attention kernel's max_group (decode sequences sharing prefix blocks; < 2: off)
   void set_attention_group(int64_t n) { attention_group_ = n; }
+
+  // paged_attention's wide_rows: sequences with this many new tokens attend in bfloat16 SDPA (0: off)
+  void set_wide_attention_rows(int64_t n) { wide_attention_rows_ = n; }
 
   // Profiling: per-part seconds summed over the forward calls since it was switched on.
   void set_profiling(bool on) {
@@ -237,6 +258,7 @@ class DecoderLoop {
   std::vector<Layer> layers_;
   bool profiling_ = false;
   int64_t attention_group_ = 8;
+  int64_t wide_attention_rows_ = 0;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
 };
@@ -264,15 +286,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
-        arg("window") = 0, arg("softcap") = 0.0, "Paged attention over a block pool (CPU)");
+        arg("window") = 0, arg("softcap") = 0.0, arg("wide_rows") = 0, "Paged attention over a block pool (CPU)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, nogil, "h += delta in place, then RMSNorm of each row of h");
   m.def("rope_and_cache", &rope_and_cache, nogil, "rotary embedding of q and k; k and v written to their cache slots");
-  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up");
+  m.def("silu_mul", &silu_mul, nogil, arg("gate_up"), arg("fast") = false,
+        "silu(gate) * up; fast: float32 with a vectorized exp (~2 ulp), for rows then rounded to bfloat16");
 
   py::class_<Linear>(m, "Linear", "one projection of DecoderLoop: kind, its tensors, bias, AWQ input scale");
   m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
         arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2, arg("out_features") = 0,
+        arg("bf16_weight") = py::none(), arg("bf16_min_rows") = 0,
         "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group; int4_q8 may add int4_pack_rows8's "
         "three tensors for its int8 GEMM) | int8 [qweight, scales] | int8g [int8g_pack_rows8's three] (+ group, "
         "out_features) | python (callable)");
@@ -287,6 +311,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderLoop::forward, nogil)
       .def("set_attention_group", &DecoderLoop::set_attention_group,
            "most decode sequences one attention item serves over their shared prefix blocks (< 2: off)")
+      .def("set_wide_attention_rows", &DecoderLoop::set_wide_attention_rows,
+           "sequences with this many new tokens attend in bfloat16 (paged_attention's wide_rows; 0: off)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")
       .def("timings", &DecoderLoop::timings, "per-part seconds summed over the calls since profiling went on");
 }

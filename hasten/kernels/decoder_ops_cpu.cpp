@@ -7,7 +7,8 @@
 //   rope_and_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
 //                                     -> q [T, H, D] rotated; rotated k and v written to their slots
 //                                        (caches in qkv's dtype, or float16 / bfloat16)
-//   silu_mul(gate_up)                 -> silu(gate) * up for gate_up = [gate | up]
+//   silu_mul(gate_up, fast)           -> silu(gate) * up for gate_up = [gate | up] (fast: a vectorized
+//                                        exp within ~2 ulp, for rows the next projection takes in bfloat16)
 //
 // Rounding follows the PyTorch code they replace (the products of RoPE are rounded to the
 // tensor dtype before they are added, without fused multiply-add; this file is built with
@@ -17,8 +18,10 @@
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -165,11 +168,49 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   return q;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// exp(x) for the fast SiLU: Cephes' expf polynomial after x = n ln2 + r (|r| <= ln2 / 2), 2^n put
+// into the exponent bits; branch-free so the compiler vectorizes the loop (within ~2 ulp of expf)
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// silu(gate) * up in float32 with exp_poly, for rows that the next projection rounds to bfloat16
+// anyway (fast=true in silu_mul): ~10x the exact loop, whose std::exp does not vectorize
+void silu_mul_fast_rows(const float* gp, float* op, int64_t T, int64_t I) {
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, bool fast) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be a contiguous [T, 2 * I] tensor");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = at::empty({T, I}, gate_up.options());
+  if (fast && gate_up.scalar_type() == at::kFloat) {
+    silu_mul_fast_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), T, I);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();

@@ -23,6 +23,11 @@
 // tile starts at the first block its window reaches; no prefix groups); plain causal calls keep a
 // path of their own, written as before windows existed: decode attention is memory-bound and was
 // ~20 % slower when the compiler saw the window arithmetic in the shared loop, even at window 0.
+//
+// wide_rows > 0 (bfloat16 attention for long query runs): a sequence with at least that many new
+// tokens (a prefill chunk), no soft cap and a window that reaches key 0, is computed instead by
+// at::scaled_dot_product_attention on bfloat16 copies of its q and of its keys/values gathered
+// from the pool (oneDNN / AMX tiles where the CPU has them); the rest take the kernel above.
 
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
@@ -260,7 +265,7 @@ inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
-         int64_t window, double softcap, at::Tensor& out) {
+         int64_t window, double softcap, const std::vector<char>& wide, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
@@ -269,7 +274,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
   int64_t decodes = 0;
-  for (int64_t s = 0; s < S; ++s) decodes += qs[s + 1] - qs[s] == 1;
+  for (int64_t s = 0; s < S; ++s) decodes += qs[s + 1] - qs[s] == 1;  // wide sequences are never decodes
   // at most max_group members, and groups small enough that every thread gets two or more; none
   // under a window (a member would walk shared blocks its window may not reach)
   const int64_t max_members = window > 0 ? 1 : std::min(max_group, (decodes + 2 * threads - 1) / (2 * threads));
@@ -277,7 +282,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                     sh.max_blocks, max_members);
   int64_t tiles = static_cast<int64_t>(groups.spans.size());
   for (int64_t s = 0; s < S; ++s)
-    if (!groups.grouped[s]) tiles += (qs[s + 1] - qs[s] + q_tile - 1) / q_tile;
+    if (!groups.grouped[s] && !wide[s]) tiles += (qs[s + 1] - qs[s] + q_tile - 1) / q_tile;
   // All kv heads in one item read each cache block as one contiguous run; split heads only when
   // there are too few tiles to keep every thread busy.
   const int64_t heads_per_item = tiles >= 4 * threads ? sh.KVH : 1;
@@ -287,7 +292,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
       items.push_back({groups.members[span[0]], 0, 1, h, std::min(sh.KVH, h + heads_per_item), span[0], span[1], span[2]});
   for (int64_t s = 0; s < S; ++s) {
-    if (groups.grouped[s]) continue;
+    if (groups.grouped[s] || wide[s]) continue;
     const int64_t n = qs[s + 1] - qs[s];
     for (int64_t t0 = 0; t0 < n; t0 += q_tile)
       for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
@@ -315,12 +320,30 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+// One sequence's rows of out by SDPA in bfloat16 (see wide_rows above): causal, aligned so that
+// query i (position ctx - n + i) sees keys 0 .. ctx - n + i.
+void attend_wide(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                 int64_t s, int64_t q0, int64_t n, int64_t ctx, double scale, at::Tensor& out) {
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), H = q.size(1);
+  const at::Tensor ids = tables[s].slice(0, 0, (ctx + BS - 1) / BS).to(at::kLong);
+  auto gather = [&](const at::Tensor& cache) {  // [1, KVH, ctx, D]
+    return cache.index_select(0, ids).view({-1, KVH, D}).slice(0, 0, ctx).to(at::kBFloat16).permute({1, 0, 2}).unsqueeze(0);
+  };
+  const at::Tensor qs = q.slice(0, q0, q0 + n).to(at::kBFloat16).permute({1, 0, 2}).unsqueeze(0);  // [1, H, n, D]
+  std::optional<at::Tensor> mask;
+  if (n != ctx)
+    mask = at::arange(ctx).unsqueeze(0) <= at::arange(n).unsqueeze(1) + (ctx - n);
+  const at::Tensor o = at::scaled_dot_product_attention(qs, gather(k_cache), gather(v_cache), mask, 0.0, n == ctx,
+                                                        scale, /*enable_gqa=*/H != KVH);
+  out.slice(0, q0, q0 + n).copy_(o.squeeze(0).permute({1, 0, 2}).reshape({n, H * D}));
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
-                           int64_t max_group, int64_t window, double softcap) {
+                           int64_t max_group, int64_t window, double softcap, int64_t wide_rows) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -352,16 +375,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
+  std::vector<char> wide(S, 0);
+  bool any_wide = false;
+  for (int64_t s = 0; s < S && wide_rows > 0 && softcap == 0.0; ++s) {
+    wide[s] = qs[s + 1] - qs[s] >= std::max<int64_t>(wide_rows, 2) && (window <= 0 || window >= cl[s]);
+    any_wide = any_wide || wide[s];
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, out);
+                                  window, softcap, wide, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, out);
+                                  window, softcap, wide, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, out);
+                                  window, softcap, wide, out);
   });
+  for (int64_t s = 0; s < S && any_wide; ++s)
+    if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);
   return out;
 }

@@ -80,6 +80,7 @@ class Decoder:
         self.embed_scale = torch.tensor(cfg.embed_scale).to(dtype) if cfg.embed_scale != 1.0 else None
         self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.attention_group = attention_group
+        self.wide_attention_rows = 0  # set_wide_attention_rows
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
         if native_loop and self.ops is not None:
             from hasten.model.native_loop import build_decoder_loop
@@ -87,6 +88,13 @@ class Decoder:
             self.loop = build_decoder_loop(self)
             if self.loop is not None:
                 self.loop.set_attention_group(attention_group)
+
+    def set_wide_attention_rows(self, rows: int) -> None:
+        """rows > 0: a sequence with that many new tokens attends in bfloat16 SDPA over its gathered
+        keys and values (paged_attention's wide_rows; the C++ attention kernel only); 0: off."""
+        self.wide_attention_rows = rows
+        if self.loop is not None:
+            self.loop.set_wide_attention_rows(rows)
 
     # ---------------------------------------------------------------- forward
 
@@ -127,7 +135,7 @@ class Decoder:
 
     def _attend(self, i: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
-                               window=self.windows[i], softcap=self.softcap)
+                               window=self.windows[i], softcap=self.softcap, wide_rows=self.wide_attention_rows)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -224,7 +232,10 @@ class Decoder:
     def _mlp_fused(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if lw.moe is not None or self.cfg.hidden_act != "silu":
             return self._mlp(lw, x)
-        return lw.down_proj(self.ops.silu_mul(_contiguous(lw.gate_up_proj(x))))
+        down = lw.down_proj
+        # rows the down projection takes in bfloat16 get the vectorized SiLU (as the C++ loop does)
+        fast = getattr(down, "bf16_weight", None) is not None and x.shape[0] >= down.bf16_min_rows
+        return down(self.ops.silu_mul(_contiguous(lw.gate_up_proj(x)), fast))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab]: Granite divides them by logits_scaling, Gemma 2 soft-caps them."""

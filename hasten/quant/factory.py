@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from hasten.kernels.cpu_features import resolve_bf16_rows
 from hasten.model.linear import DenseLinear, LinearFactory, LinearLayer
 from hasten.quant.formats import (
     QuantizedWeight,
@@ -46,6 +47,8 @@ class QuantOptions:
     int4_kernel: str = "auto"  # auto | hasten (our C++ kernel) | torch (aten int4pack, bf16 activations)
     int8_kernel: str = "auto"  # auto | hasten (our C++ kernel) | torch (aten int8pack, bf16 activations)
     q8_gemm: bool = True  # hasten-q8 int4 layers: batches of 2+ rows through the int8 GEMM too
+    bf16_gemm: str = "off"  # auto | on | off: wide calls in bfloat16 (make_layer, QuantLinear.enable_bf16_gemm)
+    bf16_gemm_min_rows: int = 32
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -56,6 +59,7 @@ class QuantOptions:
         if self.method not in METHODS:
             raise ValueError(f"quant_method must be one of {METHODS}, not {self.method!r}")
         pick_group_size(max(128, self.group_size), self.group_size)  # validates the group size
+        resolve_bf16_rows("quant_bf16_gemm", self.bf16_gemm, self.bf16_gemm_min_rows)  # validates the switch
 
     @classmethod
     def from_config(cls, config) -> QuantOptions:
@@ -73,13 +77,15 @@ class QuantOptions:
             int4_kernel=str(getattr(config, "quant_int4_kernel", "auto")),
             int8_kernel=str(getattr(config, "quant_int8_kernel", "auto")),
             q8_gemm=bool(getattr(config, "quant_q8_gemm", True)),
+            bf16_gemm=str(getattr(config, "quant_bf16_gemm", "off")),
+            bf16_gemm_min_rows=int(getattr(config, "quant_bf16_gemm_min_rows", 32)),
             dtype=dtype,
         )
 
     def key(self) -> dict:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
-        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm"):
+        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm", "bf16_gemm", "bf16_gemm_min_rows"):
             d.pop(k)
         if self.mode == "int8":
             d.pop("group_size")
@@ -193,7 +199,8 @@ class QuantizingFactory:
             self._maybe_save()
         qw.bias = bias
         layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel,
-                           q8_gemm=self.opts.q8_gemm)
+                           q8_gemm=self.opts.q8_gemm, bf16_gemm=self.opts.bf16_gemm,
+                           bf16_gemm_min_rows=self.opts.bf16_gemm_min_rows)
         self.layers[name] = layer
         return layer
 
@@ -220,5 +227,6 @@ def linear_factory_for(config, model_folder: Path) -> LinearFactory:
         from hasten.quant.gguf_blocks import GGUFLinearFactory, gguf_source
 
         return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
-                                 opts.int8_kernel, opts.q8_gemm)
+                                 opts.int8_kernel, opts.q8_gemm, bf16_gemm=opts.bf16_gemm,
+                                 bf16_gemm_min_rows=opts.bf16_gemm_min_rows)
     return QuantizingFactory(opts, folder)

@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from hasten.kernels import cpu_features
 from hasten.quant.formats import GroupedInt8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 KERNEL_DTYPE = torch.bfloat16
@@ -106,6 +107,7 @@ class QuantLinear:
     """Shared parts: input scaling (AWQ), bias, dtype handling and path selection."""
 
     kind = "quant"
+    rounds_activations = False  # whether the kernel rounds x (int8 or bfloat16 activations), not float32-exact
 
     def __init__(self, n: int, k: int, bias: torch.Tensor | None, input_scale: torch.Tensor | None, max_kernel_rows: int):
         self.n, self.k = n, k
@@ -113,12 +115,27 @@ class QuantLinear:
         self.inv_input_scale = (1.0 / input_scale.float()) if input_scale is not None else None
         self.max_kernel_rows = max_kernel_rows
         self.use_kernel = True  # cleared when the kernel is missing in this torch build
-        self.calls = {"kernel": 0, "dequant": 0}
+        self.calls = {"kernel": 0, "dequant": 0, "bf16": 0}
+        # the bfloat16 copy of the weight for wide calls (enable_bf16_gemm); None: off
+        self.bf16_weight: torch.Tensor | None = None
+        self.bf16_min_rows = 0
+
+    def enable_bf16_gemm(self, min_rows: int) -> None:
+        """From `min_rows` rows of x on (prefill chunks, wide decode batches), multiply x in bfloat16
+        by a bfloat16 copy of the dequantized weight (oneDNN's GEMM: AMX tiles where the CPU has them)
+        instead of the packed kernel. Costs 2 bytes per weight; the codes stay for the narrow calls."""
+        if min_rows < 1:
+            raise ValueError(f"bf16 GEMM min rows must be >= 1, not {min_rows}")
+        self.bf16_weight = self.dequantize_codes().to(torch.bfloat16).contiguous()
+        self.bf16_min_rows = min_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.inv_input_scale is not None:
             x = x * self.inv_input_scale.to(x.dtype)
-        if self.use_kernel and x.shape[0] <= self.max_kernel_rows:
+        if self.bf16_weight is not None and x.shape[0] >= self.bf16_min_rows:
+            self.calls["bf16"] += 1
+            y = F.linear(x.to(torch.bfloat16), self.bf16_weight).to(x.dtype)
+        elif self.use_kernel and x.shape[0] <= self.max_kernel_rows:
             self.calls["kernel"] += 1
             y = self._run_kernel(x)
         else:
@@ -156,6 +173,12 @@ class QuantLinear:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def _shared_nbytes(self) -> int:
+        """Bytes of what every kind may hold besides its codes: AWQ input scale, bias, bfloat16 copy."""
+        total = self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
+        total += self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        return total + (self.bf16_weight.numel() * 2 if self.bf16_weight is not None else 0)
+
 
 INT8_KERNELS = ("auto", "hasten", "hasten-q8", "torch")
 INT8_AUTO = "hasten"  # hasten's own int8 quantization: exact
@@ -184,6 +207,10 @@ def resolve_int8_kernel(name: str, auto: str = INT8_AUTO) -> str:
 
 class Int8Linear(QuantLinear):
     kind = "int8"
+
+    @property
+    def rounds_activations(self) -> bool:
+        return self.kernel != "hasten"  # hasten-q8: int8 x; torch: bfloat16 x
 
     def __init__(self, qw: Int8Weight, max_kernel_rows: int = 32, kernel: str = "auto", auto: str = INT8_AUTO):
         n, k = qw.shape
@@ -224,8 +251,7 @@ class Int8Linear(QuantLinear):
     def nbytes(self) -> int:
         total = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
         total += sum(t.numel() * t.element_size() for t in self.rows8) if self.rows8 is not None else 0
-        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
-        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return total + self._shared_nbytes()
 
 
 INT4_KERNELS = ("auto", "hasten", "hasten-q8", "torch")
@@ -267,6 +293,10 @@ class Int4HastenLinear(QuantLinear):
     # at a time into cache and multiplies them there (int4_linear_gemm); one row (batch-1 decode)
     # takes the dot-product kernel that unpacks the codes in registers.
     gemm_min_rows = 2
+
+    @property
+    def rounds_activations(self) -> bool:
+        return self.int8_activations
 
     def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32, int8_activations: bool = False,
                  q8_gemm: bool = True):
@@ -310,12 +340,13 @@ class Int4HastenLinear(QuantLinear):
     def nbytes(self) -> int:
         total = self.codes.numel() + (self.scales.numel() + self.mins.numel()) * 2
         total += sum(t.numel() * t.element_size() for t in self.rows8) if self.rows8 is not None else 0
-        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
-        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return total + self._shared_nbytes()
 
 
 class Int4Linear(QuantLinear):
     kind = "int4"
+
+    rounds_activations = True  # aten's int4pack kernel takes bfloat16 x
 
     def __init__(self, qw: Int4Weight, max_kernel_rows: int = 32):
         n, k = qw.shape
@@ -362,8 +393,7 @@ class Int4Linear(QuantLinear):
         total = self.scales_zeros.numel() * 2
         total += self.packed.numel() if self.packed is not None else 0
         total += self.codes.numel() if self.codes is not None else 0
-        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
-        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return total + self._shared_nbytes()
 
 
 class GroupedInt8Linear(QuantLinear):
@@ -373,6 +403,10 @@ class GroupedInt8Linear(QuantLinear):
     dequantizes the weight to float32 and multiplies exactly (the reference path, slow)."""
 
     kind = "int8g"
+
+    @property
+    def rounds_activations(self) -> bool:
+        return self.int8_activations
 
     def __init__(self, qw: GroupedInt8Weight, int8_activations: bool = True):
         n, k = qw.shape
@@ -418,18 +452,27 @@ class GroupedInt8Linear(QuantLinear):
         tensors = self.rows8 if self.rows8 is not None else [
             t for t in (self.float_path.qweight, self.float_path.scales, self.float_path.mins) if t is not None]
         total = sum(t.numel() * t.element_size() for t in tensors)
-        total += self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
-        return total + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+        return total + self._shared_nbytes()
 
 
 def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
                int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True,
-               int8_auto: str = INT8_AUTO) -> QuantLinear:
+               int8_auto: str = INT8_AUTO, bf16_gemm: str = "off", bf16_gemm_min_rows: int = 32) -> QuantLinear:
+    """The layer for `qw`. bf16_gemm (quant_bf16_gemm: auto | on | off) adds the bfloat16 path for calls
+    of bf16_gemm_min_rows rows or more; auto does so where the CPU has AMX, for layers whose kernel
+    rounds x anyway (int8 or bfloat16 activations), so exact float32-activation layers stay exact."""
+    layer: QuantLinear
     if isinstance(qw, Int8Weight):
-        return Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
-    if isinstance(qw, GroupedInt8Weight):
-        return GroupedInt8Linear(qw, int8_activations=resolve_int8_kernel(int8_kernel, int8_auto) == "hasten-q8")
-    kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
-    if kernel.startswith("hasten"):
-        return Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8", q8_gemm=q8_gemm)
-    return Int4Linear(qw, max_kernel_rows)
+        layer = Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
+    elif isinstance(qw, GroupedInt8Weight):
+        layer = GroupedInt8Linear(qw, int8_activations=resolve_int8_kernel(int8_kernel, int8_auto) == "hasten-q8")
+    else:
+        kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
+        if kernel.startswith("hasten"):
+            layer = Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8", q8_gemm=q8_gemm)
+        else:
+            layer = Int4Linear(qw, max_kernel_rows)
+    rows = cpu_features.resolve_bf16_rows("quant_bf16_gemm", bf16_gemm, bf16_gemm_min_rows, layer.rounds_activations)
+    if rows:
+        layer.enable_bf16_gemm(rows)
+    return layer

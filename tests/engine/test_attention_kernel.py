@@ -198,3 +198,37 @@ def test_stale_build_lock_is_removed(tmp_path):
     _clear_stale_lock(lock)
     assert not lock.exists()
     _clear_stale_lock(lock)  # missing: nothing to do
+
+
+WIDE_CASES = [
+    ([100, 64, 9, 300], [100, 3, 9, 40], 9, 3, 64, 16),  # whole prefill, spec verify, decode-ish, chunk with context
+    ([130, 17], [130, 1], 4, 4, 16, 8),  # MHA beside a decode
+    ([77, 5], [20, 5], 8, 1, 32, 16),  # MQA, a chunk after a 57-token prefix
+]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", WIDE_CASES, ids=[f"wide{i}" for i in range(len(WIDE_CASES))])
+def test_wide_rows_attend_in_bfloat16(case, cache_dtype):
+    """wide_rows: sequences with that many new tokens go through SDPA in bfloat16 (within bfloat16
+    rounding of the float64 reference); the others keep the kernel's rows bit for bit."""
+    ctx, new, heads, kv_heads, head_dim, block_size = case
+    gen = torch.Generator().manual_seed(sum(ctx) + heads)
+    q, k_cache, v_cache, *meta = make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, torch.float32)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scale = head_dim**-0.5
+    plain = cpu_attention.paged_attention(q, k_cache, v_cache, *meta, scale)
+    wide = cpu_attention.paged_attention(q, k_cache, v_cache, *meta, scale, wide_rows=8)
+    want = reference(q, k_cache.float(), v_cache.float(), *meta, scale)
+    starts = meta[1].tolist()
+    for s, n in enumerate(new):
+        rows = slice(starts[s], starts[s + 1])
+        if n >= 8:
+            err = (wide[rows].double() - want[rows]).abs().max().item()
+            assert 0 < err < 3e-2, (s, err)  # bfloat16 q, k, v and probabilities
+        else:
+            assert torch.equal(wide[rows], plain[rows]), s
+    # a soft cap, or a window short of some key 0, keeps every sequence in the kernel
+    for kw in ({"softcap": 30.0}, {"window": 5}):
+        assert torch.equal(cpu_attention.paged_attention(q, k_cache, v_cache, *meta, scale, wide_rows=8, **kw),
+                           cpu_attention.paged_attention(q, k_cache, v_cache, *meta, scale, **kw)), kw

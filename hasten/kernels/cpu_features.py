@@ -1,0 +1,33 @@
+"""What this CPU offers the bfloat16 paths (quant_bf16_gemm, attention_bf16 in hasten.config)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles and the AVX-512 bfloat16 instructions: there oneDNN's bfloat16
+    GEMM and SDPA run on AMX, ~4x hasten's int8-activation kernels from 128 rows on (measured on a
+    2-core Sapphire Rapids slice; docs/benchmarks.md)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported()) and bool(torch.cpu._is_avx512_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+BF16_MODES = ("auto", "on", "off")
+
+
+def resolve_bf16_rows(option: str, mode: str, min_rows: int, auto_applies: bool = True) -> int:
+    """A bfloat16 switch (auto | on | off) and its row threshold -> the threshold in force (0: off).
+    auto is on where the CPU has AMX and `auto_applies` (e.g. only for quantized models)."""
+    if mode not in BF16_MODES:
+        raise ValueError(f"{option} must be one of {BF16_MODES}, not {mode!r}")
+    if min_rows < 1:
+        raise ValueError(f"{option}_min_rows must be >= 1, not {min_rows}")
+    if mode == "off" or (mode == "auto" and not (auto_applies and cpu_has_amx())):
+        return 0
+    return min_rows
