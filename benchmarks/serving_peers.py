@@ -62,7 +62,7 @@ def server_for(name: str, args: argparse.Namespace, gguf: Path, folder: Path, lo
     port = free_port()
     threads = str(args.threads)
     if name == "hasten":
-        cmd = [sys.executable, "-m", "hasten", "serve", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, "-m", "hasten.cli", "serve", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", MODEL_NAME, "--quantization", "gguf", "--kv-cache-dtype", "float16",
                "--num-threads", threads, *args.hasten_arg]
         return ManagedServer(name, cmd, port, log_dir)
