@@ -59,7 +59,10 @@ class EngineConfig:
     attention_bf16: str = "auto"
     attention_bf16_min_rows: int = 32
     cpu_linear_backend: str = "auto"  # auto (= onednn when available) | hasten (C++ register tiles) | onednn (pre-packed) | torch
-    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
+    num_threads: int | None = None  # torch intra-op threads (per rank); None = torch's default (TP: cores / ranks)
+    # tensor parallelism (hasten/distributed): heads, MLP rows and vocabulary split over this many ranks
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0  # rendezvous and in-step collectives: a rank silent this long fails the engine
     seed: int = 0  # seed of the sampler for requests that bring none
 
     def clone(self, **changes) -> EngineConfig:

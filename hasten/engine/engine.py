@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +18,8 @@ from hasten.engine.sampler import Sampler, prompt_logprobs_for
 from hasten.engine.scheduler import Scheduler, SchedulerConfig
 from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.engine.stats import EngineStats, QueueFullError
-from hasten.kernels.cpu_features import resolve_bf16_rows
 from hasten.model.config import ModelConfig
-from hasten.model.decoder import Decoder
+from hasten.model.decoder import Decoder, wide_attention_rows
 from hasten.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from hasten.model.layers import resolve_attention_backend
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
@@ -62,28 +62,43 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
-        state = load_state_dict(folder)
-        self.model = Decoder(
-            cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder), fused_ops=config.fused_decoder_ops,
-            native_loop=config.native_decoder_loop, attention_group=config.attention_prefix_group,
-        )
-        # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
-        bf16_gemm = getattr(self.model.layers[0].qkv_proj, "bf16_weight", None) is not None
-        self.model.set_wide_attention_rows(
-            resolve_bf16_rows("attention_bf16", config.attention_bf16, config.attention_bf16_min_rows, bf16_gemm))
-        del state
+        tp = config.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        rank_cfg = cfg
+        if tp > 1:
+            from hasten.distributed.launch import local_config
+
+            rank_cfg = local_config(cfg, tp)  # each rank's KV pool holds its KV heads only
         bs = config.block_size
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         else:
-            num_blocks = ModelRunner.blocks_for_memory(cfg, bs, self.kv_dtype, int(config.kv_cache_memory_gb * 2**30))
+            num_blocks = ModelRunner.blocks_for_memory(rank_cfg, bs, self.kv_dtype, int(config.kv_cache_memory_gb * 2**30))
         min_blocks = -(-self.max_model_len // bs)
         if num_blocks < min_blocks:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} sequence "
                 f"(needs {min_blocks}); raise kv_cache_memory_gb or lower max_model_len"
             )
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        self.parallel = None  # the tensor-parallel group (rank 0's handle), when tp > 1
+        if tp > 1:
+            from hasten.distributed.launch import start_rank0
+
+            self.parallel, self.model = start_rank0(config, folder, cfg, self.dtype, self.kv_dtype,
+                                                    self.max_model_len, num_blocks, self.attention_backend)
+            self._finalizer = weakref.finalize(self, self.parallel.close)
+        else:
+            state = load_state_dict(folder)
+            self.model = Decoder(
+                cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder),
+                fused_ops=config.fused_decoder_ops, native_loop=config.native_decoder_loop,
+                attention_group=config.attention_prefix_group,
+            )
+            # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
+            self.model.set_wide_attention_rows(wide_attention_rows(self.model, config))
+            del state
         windows = self.model.windows
         # the C++ kernel reads only the blocks a window reaches (the sdpa path gathers every block)
         early_free = config.free_blocks_outside_window and self.attention_backend == "cpp" and all(w > 0 for w in windows)
@@ -98,7 +113,13 @@ class LLMEngine:
             ),
             self.kv,
         )
-        self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
+        if self.parallel is not None:
+            from hasten.distributed.worker import ParallelModelRunner
+
+            self.runner: ModelRunner = ParallelModelRunner(self.model, self.parallel, self.model.cfg, num_blocks, bs,
+                                                           self.kv_dtype, self.attention_backend)
+        else:
+            self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
         self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
         self.proposer = self._make_proposer()
@@ -202,6 +223,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (if any) and leave their group; also done at exit."""
+        if self.parallel is not None:
+            self._finalizer()
 
     # ------------------------------------------------------------ the step
 

@@ -24,6 +24,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_options(model=model, dtype=dtype, **options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release what the engine holds outside this process (tensor-parallel ranks)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -23,6 +23,17 @@ class StepResult:
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
 
 
+@dataclass
+class StepInputs:
+    """Everything the decoder needs for one step: what rank 0 sends its tensor-parallel peers."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor | None  # rows whose logits are sampled
+    prompt_spans: list[tuple[int, int]]  # (first row, count) of each prompt-logprobs request, in order
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -159,14 +170,17 @@ class ModelRunner:
             meta = self._flat_metadata(batch, starts, slot_mapping)
         else:
             meta = self._padded_metadata(batch, starts, rows, slot_mapping)
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
-            meta,
-            self.kv_caches,
-        )
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)]) if sample_reqs else None
-        prompt_logits = {}
-        for req, first_pos, first_row, count in prompt_lp:
-            prompt_logits[req.request_id] = (first_pos, self.model.logits(hidden[first_row : first_row + count]))
+        step = StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+                          torch.tensor(sample_rows, dtype=torch.long) if sample_reqs else None,
+                          [(first_row, count) for _, _, first_row, count in prompt_lp])
+        logits, prompt_rows = self.run_step(step)
+        prompt_logits = {req.request_id: (first_pos, lg)
+                         for (req, first_pos, _, _), lg in zip(prompt_lp, prompt_rows, strict=True)}
         return StepResult(sample_reqs, logits, num_rows, prompt_logits)
+
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The decoder over one step's tensors: (logits of the sampled rows, logits of each prompt-logprobs span).
+        A tensor-parallel runner first hands `step` to its other ranks, which run this same function."""
+        hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
+        logits = self.model.logits(hidden[step.sample_rows]) if step.sample_rows is not None else None
+        return logits, [self.model.logits(hidden[first : first + count]) for first, count in step.prompt_spans]

@@ -11,6 +11,7 @@ and its RoPE table (Gemma 3's sliding-window layers have their own theta).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from hasten.model.moe import moe_forward
 from hasten.model.rope import RotaryEmbedding, apply_rope
 from hasten.model.weights import LayerWeights, StateReader, load_layer
 
-__all__ = ["Decoder", "LayerWeights"]
+__all__ = ["Decoder", "LayerWeights", "wide_attention_rows"]
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -246,6 +247,15 @@ class Decoder:
         if cfg.final_softcap:
             out = torch.tanh(out / cfg.final_softcap) * cfg.final_softcap
         return out
+
+
+def wide_attention_rows(model: Decoder, config: Any) -> int:
+    """attention_bf16's rows for `model` under an EngineConfig: auto turns it on where the projections
+    took bfloat16 for wide calls too (quant_bf16_gemm)."""
+    from hasten.kernels.cpu_features import resolve_bf16_rows
+
+    bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
+    return resolve_bf16_rows("attention_bf16", config.attention_bf16, config.attention_bf16_min_rows, bf16_gemm)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

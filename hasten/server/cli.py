@@ -50,6 +50,7 @@ ENGINE_FLAGS = {
     "attention_backend": "attention_backend",
     "enable_prefix_caching": "enable_prefix_caching",
     "enable_chunked_prefill": "enable_chunked_prefill",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 
@@ -80,6 +81,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], help="weight-only quantization")
     p.add_argument("--attention-backend", choices=["auto", "cpp", "sdpa"],
                    help="cpp: C++ kernel reading the paged KV cache in place; sdpa: gather + SDPA (default auto)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   help="split the model over N ranks (torch.distributed; one node spawns them; several nodes: "
+                        "torchrun-style MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, docs/deploy.md)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
@@ -269,6 +273,23 @@ def uvicorn_limits(limits: HTTPLimits, http: str) -> dict[str, Any]:
     return options
 
 
+def _serve_as_worker_rank(options: dict[str, Any]) -> bool:
+    """On a rank > 0 of a torchrun-style launch there is no server: run this rank's part of the engine."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0:
+        return False
+    from hasten.distributed.group import external_launch
+    from hasten.distributed.worker import worker_main
+
+    launch = external_launch()
+    world = options.get("tensor_parallel_size", 1)
+    if launch is None or world != launch["world"]:
+        raise _usage_error(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} needs --tensor-parallel-size "
+                           f"{os.environ.get('WORLD_SIZE')} on every rank")
+    logger.info("tensor-parallel rank %d of %d: joining %s", launch["rank"], world, launch["init_method"])
+    worker_main(launch["rank"], world, launch["init_method"], float(options.get("distributed_timeout_s", 300.0)))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -283,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "embed" and args.chat_template:
         raise _usage_error("--chat-template does not apply to --task embed")
     template = read_chat_template(args.chat_template)
+    if _serve_as_worker_rank(options):
+        return 0
     key = api_key(args)
     spec = args.engine_factory or (EMBED_FACTORY if args.task == "embed" else ENGINE_MODES[args.engine_mode])
     factory = load_callable(spec)

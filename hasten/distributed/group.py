@@ -1,0 +1,133 @@
+"""The tensor-parallel process group on torch.distributed, and how its ranks are started.
+
+Two groups over the same ranks: the default (*compute*) group carries the all-reduces and gathers
+inside a step, and its timeout (`distributed_timeout_s`) bounds both the rendezvous and a hung rank;
+the *control* group carries each step's inputs from rank 0, with a long timeout, since workers wait
+there while the server is idle.
+A rank that dies closes its sockets, so the others' next collective raises at once.
+
+Single node: rank 0 (the engine) spawns ranks 1..N-1 itself and meets them on a free loopback port.
+Several nodes: every rank is started from outside with torchrun-style variables (MASTER_ADDR,
+MASTER_PORT, WORLD_SIZE, RANK); rank 0 runs the engine (and the server), the others `hasten serve`
+turns into workers (hasten/distributed/worker.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the tensor-parallel group died or stopped answering; the engine cannot go on."""
+
+
+def external_launch() -> dict[str, Any] | None:
+    """torchrun-style rank variables, if this process was started with them (WORLD_SIZE > 1)."""
+    env = os.environ
+    if int(env.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in env:
+        return None
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
+    return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]), "init_method": f"tcp://{addr}:{port}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+@dataclass
+class ParallelGroup:
+    rank: int
+    world: int
+    control: Any  # the process group rank 0 broadcasts each step's inputs on
+    processes: list[Any] = field(default_factory=list)  # the ranks rank 0 spawned (single node)
+    rank_weight_bytes: list[int] = field(default_factory=list)  # each rank's resident weights, measured at load
+    closed: bool = False
+
+    @classmethod
+    def join(cls, rank: int, world: int, init_method: str, timeout_s: float, backend: str | None = None,
+             processes: list[Any] | None = None) -> ParallelGroup:
+        backend = backend or default_backend()
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        # the control messages go over gloo whatever the compute backend (they are pickled host objects)
+        control = dist.new_group(list(range(world)), timeout=CONTROL_TIMEOUT, backend="gloo")
+        return cls(rank, world, control, processes or [])
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self._guard(dist.all_reduce, t)
+        return t
+
+    def all_gather_cols(self, local: torch.Tensor, step: int, total: int) -> torch.Tensor:
+        """[rows, <= step] on each rank -> [rows, total] (each rank's columns in rank order)."""
+        if local.shape[1] < step:
+            local = torch.nn.functional.pad(local, (0, step - local.shape[1]))
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        self._guard(dist.all_gather, parts, local.contiguous())
+        return torch.cat(parts, dim=1)[:, :total]
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        box = [obj]
+        self._guard(dist.broadcast_object_list, box, src=0, group=self.control)
+        return box[0]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (control group)."""
+        out: list[Any] = [None] * self.world
+        self._guard(dist.all_gather_object, out, obj, group=self.control)
+        return out
+
+    def _guard(self, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except RuntimeError as exc:
+            raise TensorParallelError(f"tensor-parallel rank {self.rank}: {self.describe_failure(exc)}") from exc
+
+    def describe_failure(self, exc: BaseException) -> str:
+        dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes)
+                if p.exitcode is not None]
+        why = "; ".join(dead) if dead else "a peer rank closed its connection or timed out"
+        return f"{why} ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Rank 0: tell the workers to stop, then leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.rank == 0:
+            try:
+                self.broadcast_object(("stop",))
+            except TensorParallelError:
+                pass
+            for p in self.processes:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def threads_per_rank(world: int, requested: int | None) -> int:
+    """Intra-op threads of each rank: the request, else this machine's cores shared out."""
+    if requested:
+        return requested
+    return max(1, (os.cpu_count() or 1) // world)

@@ -1,0 +1,83 @@
+"""Rank 0's side of starting tensor parallelism: start or meet the other ranks, then build its shard."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hasten.distributed.group import (
+    ParallelGroup,
+    TensorParallelError,
+    external_launch,
+    free_port,
+    threads_per_rank,
+)
+from hasten.distributed.layers import ParallelDecoder
+from hasten.distributed.sharding import ShardPlan
+from hasten.distributed.worker import WorkerSpec, build_rank_model, worker_main
+from hasten.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """Rank 0's config under tensor parallelism (validates that the model splits `world` ways)."""
+    return ShardPlan(cfg, 0, world).local_config()
+
+
+def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
+                max_model_len: int, num_blocks: int, attention_backend: str) -> tuple[ParallelGroup, ParallelDecoder]:
+    """Spawn ranks 1..N-1 on this machine (or meet them: torchrun-style launch), share the spec, build
+    rank 0's shard and wait until every rank has loaded its own."""
+    world = config.tensor_parallel_size
+    ShardPlan(cfg, 0, world)  # the model must split before anything starts
+    launch = external_launch()
+    if launch is not None:
+        if launch["rank"] != 0 or launch["world"] != world:
+            raise ValueError(f"launched as rank {launch['rank']} of WORLD_SIZE={launch['world']}, but this engine is "
+                             f"rank 0 of --tensor-parallel-size {world}")
+        init_method, procs, threads = launch["init_method"], [], config.num_threads
+    else:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        procs = spawn_workers(world, init_method, config.distributed_timeout_s)
+        threads = threads_per_rank(world, config.num_threads)
+    if threads:
+        torch.set_num_threads(threads)
+    group = None
+    try:
+        group = ParallelGroup.join(0, world, init_method, config.distributed_timeout_s, processes=procs)
+        spec = WorkerSpec(config, str(folder), dtype, kv_dtype, max_model_len, num_blocks, attention_backend,
+                          threads)
+        group.broadcast_object(spec)
+        model = build_rank_model(spec, cfg, 0, group)
+        group.rank_weight_bytes = group.gather_object(model.weight_bytes())  # every rank has loaded its shard
+    except BaseException:
+        if group is not None:
+            group.closed = True
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        for p in procs:
+            p.terminate()
+        raise
+    logger.info("tensor parallel: %d ranks over %s, weights per rank (MB): %s", world, init_method,
+                ", ".join(f"{b / 1e6:.1f}" for b in group.rank_weight_bytes))
+    return group, model
+
+
+def spawn_workers(world: int, init_method: str, timeout_s: float) -> list[Any]:
+    """Start ranks 1..world-1 on this machine (spawned, daemonic: they end with this process)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=worker_main, args=(rank, world, init_method, timeout_s), daemon=True,
+                        name=f"hasten-tp-rank{rank}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+__all__ = ["TensorParallelError", "local_config", "start_rank0"]

@@ -1,0 +1,102 @@
+"""Tensor-parallel execution: how rank 0 and the worker ranks build their shard and run each step.
+
+The scheduler, the KV-block manager and the sampler run once, on rank 0 (hasten/engine). Each step
+rank 0 broadcasts the step's tensors (`StepInputs`: token ids, positions, slot mapping, block tables)
+over the control group; every rank then runs the same decoder call on its shard, meeting the others
+at the all-reduces, and rank 0 samples from the gathered logits. Workers hold their part of the KV
+pool (their KV heads) with the same block numbering, so rank 0's block ids are valid on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hasten.distributed.group import ParallelGroup, TensorParallelError
+from hasten.distributed.layers import ParallelDecoder, ShardQuantFactory
+from hasten.distributed.sharding import ShardedState, ShardPlan
+from hasten.engine.model_runner import ModelRunner, StepInputs
+from hasten.model.config import ModelConfig
+from hasten.model.decoder import wide_attention_rows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank builds the same way (computed by rank 0 before it spawns or meets the others)."""
+
+    config: Any  # EngineConfig
+    folder: str
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    max_model_len: int
+    num_blocks: int
+    attention_backend: str
+    threads: int | None  # intra-op threads of each worker (None: torch's default)
+
+
+def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: ParallelGroup) -> ParallelDecoder:
+    """Rank `rank`'s decoder over its shards, read from the checkpoint shard by shard."""
+    config = spec.config
+    plan = ShardPlan(cfg, rank, group.world)
+    state = ShardedState(Path(spec.folder), plan)
+    if config.quantization:
+        factory = ShardQuantFactory(config, state, group.world)
+    else:
+        from hasten.model.linear import float_linear_factory
+
+        factory = float_linear_factory(config.cpu_linear_backend, spec.dtype)
+    model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory,
+                            fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
+    model.set_wide_attention_rows(wide_attention_rows(model, config))
+    return model
+
+
+class ParallelModelRunner(ModelRunner):
+    """Rank 0's runner: each step's inputs go to the other ranks before the decoder runs here."""
+
+    def __init__(self, model: ParallelDecoder, group: ParallelGroup, *args: Any, **kwargs: Any):
+        super().__init__(model, *args, **kwargs)
+        self.group = group
+
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        if self.group.closed:
+            raise TensorParallelError("the tensor-parallel group is closed")
+        self.group.broadcast_object(("step", step))
+        return super().run_step(step)
+
+
+def worker_main(rank: int, world: int, init_method: str, timeout_s: float) -> None:
+    """A worker rank: join the group, take the spec rank 0 broadcasts, build its shard, then run every
+    step rank 0 sends until "stop". Spawned by rank 0 on one node, or `hasten serve` on a rank > 0."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    group = ParallelGroup.join(rank, world, init_method, timeout_s)
+    try:
+        spec: WorkerSpec = group.broadcast_object()
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        from hasten.model.loader import load_hf_config
+
+        cfg = ModelConfig.from_hf(load_hf_config(Path(spec.folder)))
+        model = build_rank_model(spec, cfg, rank, group)
+        runner = ModelRunner(model, model.cfg, spec.num_blocks, spec.config.block_size, spec.kv_dtype,
+                             spec.attention_backend)
+        group.gather_object(model.weight_bytes())  # loaded: rank 0 waits for every rank here
+        with torch.inference_mode():
+            while True:
+                msg = group.broadcast_object()
+                if msg[0] == "stop":
+                    break
+                runner.run_step(msg[1])
+    except TensorParallelError as exc:
+        logger.error("leaving: %s", exc)
+        os._exit(1)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
