@@ -30,7 +30,7 @@ CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 class TensorParallelError(RuntimeError):
-    """A rank of the tensor-parallel group died or stopped answering; the engine cannot go on."""
+    """A rank of the tensor- or pipeline-parallel group died or stopped answering; the engine cannot go on."""
 
 
 def external_launch() -> dict[str, Any] | None:
@@ -89,6 +89,18 @@ class ParallelGroup:
         self._guard(dist.broadcast_object_list, box, src=0, group=self.control)
         return box[0]
 
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        try:
+            return dist.isend(t, dst, tag=tag)
+        except RuntimeError as exc:
+            raise TensorParallelError(f"rank {self.rank}: {self.describe_failure(exc)}") from exc
+
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
+        self._guard(dist.recv, t, src, tag=tag)
+
+    def wait(self, work: Any) -> None:
+        self._guard(work.wait)
+
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (control group)."""
         out: list[Any] = [None] * self.world
@@ -99,7 +111,7 @@ class ParallelGroup:
         try:
             fn(*args, **kwargs)
         except RuntimeError as exc:
-            raise TensorParallelError(f"tensor-parallel rank {self.rank}: {self.describe_failure(exc)}") from exc
+            raise TensorParallelError(f"rank {self.rank}: {self.describe_failure(exc)}") from exc
 
     def describe_failure(self, exc: BaseException) -> str:
         dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes)

@@ -1,4 +1,4 @@
-"""Rank 0's side of starting tensor parallelism: start or meet the other ranks, then build its shard."""
+"""Rank 0's side of starting tensor or pipeline parallelism: start or meet the other ranks, then build its part."""
 
 from __future__ import annotations
 
@@ -16,30 +16,47 @@ from hasten.distributed.group import (
     free_port,
     threads_per_rank,
 )
-from hasten.distributed.layers import ParallelDecoder
+from hasten.distributed.layers import decoder_weight_bytes
 from hasten.distributed.sharding import ShardPlan
 from hasten.distributed.worker import WorkerSpec, build_rank_model, worker_main
 from hasten.model.config import ModelConfig
+from hasten.model.decoder import Decoder
 
 logger = logging.getLogger(__name__)
 
 
-def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """Rank 0's config under tensor parallelism (validates that the model splits `world` ways)."""
+def parallel_layout(config: Any) -> tuple[str, int]:
+    """("tensor" | "pipeline" | "none", ranks) of an EngineConfig."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    for name, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, not {n!r}")
+    if tp > 1 and pp > 1:
+        raise ValueError("tensor and pipeline parallelism together (TP x PP) are not supported yet: pick one")
+    return ("tensor", tp) if tp > 1 else ("pipeline", pp) if pp > 1 else ("none", 1)
+
+
+def local_config(cfg: ModelConfig, mode: str, world: int) -> ModelConfig:
+    """Rank 0's config (validates that the model splits `world` ways); under pipeline parallelism
+    stage 0 has the most layers, so it sizes every stage's KV pool."""
+    if mode == "pipeline":
+        from hasten.distributed.pipeline import StagePlan
+
+        return StagePlan(cfg, 0, world).local_config()
     return ShardPlan(cfg, 0, world).local_config()
 
 
 def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
-                max_model_len: int, num_blocks: int, attention_backend: str) -> tuple[ParallelGroup, ParallelDecoder]:
+                max_model_len: int, num_blocks: int, attention_backend: str) -> tuple[ParallelGroup, Decoder]:
     """Spawn ranks 1..N-1 on this machine (or meet them: torchrun-style launch), share the spec, build
-    rank 0's shard and wait until every rank has loaded its own."""
-    world = config.tensor_parallel_size
-    ShardPlan(cfg, 0, world)  # the model must split before anything starts
+    rank 0's part and wait until every rank has loaded its own."""
+    mode, world = parallel_layout(config)
+    local_config(cfg, mode, world)  # the model must split before anything starts
     launch = external_launch()
     if launch is not None:
         if launch["rank"] != 0 or launch["world"] != world:
             raise ValueError(f"launched as rank {launch['rank']} of WORLD_SIZE={launch['world']}, but this engine is "
-                             f"rank 0 of --tensor-parallel-size {world}")
+                             f"rank 0 of {world} ({mode} parallel)")
         init_method, procs, threads = launch["init_method"], [], config.num_threads
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -51,10 +68,10 @@ def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
     try:
         group = ParallelGroup.join(0, world, init_method, config.distributed_timeout_s, processes=procs)
         spec = WorkerSpec(config, str(folder), dtype, kv_dtype, max_model_len, num_blocks, attention_backend,
-                          threads)
+                          threads, mode)
         group.broadcast_object(spec)
         model = build_rank_model(spec, cfg, 0, group)
-        group.rank_weight_bytes = group.gather_object(model.weight_bytes())  # every rank has loaded its shard
+        group.rank_weight_bytes = group.gather_object(decoder_weight_bytes(model))  # every rank has loaded its shard
     except BaseException:
         if group is not None:
             group.closed = True
@@ -63,7 +80,7 @@ def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
         for p in procs:
             p.terminate()
         raise
-    logger.info("tensor parallel: %d ranks over %s, weights per rank (MB): %s", world, init_method,
+    logger.info("%s parallel: %d ranks over %s, weights per rank (MB): %s", mode, world, init_method,
                 ", ".join(f"{b / 1e6:.1f}" for b in group.rank_weight_bytes))
     return group, model
 
@@ -80,4 +97,4 @@ def spawn_workers(world: int, init_method: str, timeout_s: float) -> list[Any]:
     return procs
 
 
-__all__ = ["TensorParallelError", "local_config", "start_rank0"]
+__all__ = ["TensorParallelError", "local_config", "parallel_layout", "start_rank0"]

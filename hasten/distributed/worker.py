@@ -1,4 +1,5 @@
-"""Tensor-parallel execution: how rank 0 and the worker ranks build their shard and run each step.
+"""Parallel execution: how rank 0 and the worker ranks build their part of the model and run each step
+(tensor parallelism here; pipeline stages in hasten/distributed/pipeline.py).
 
 The scheduler, the KV-block manager and the sampler run once, on rank 0 (hasten/engine). Each step
 rank 0 broadcasts the step's tensors (`StepInputs`: token ids, positions, slot mapping, block tables)
@@ -18,11 +19,11 @@ from typing import Any
 import torch
 
 from hasten.distributed.group import ParallelGroup, TensorParallelError
-from hasten.distributed.layers import ParallelDecoder, ShardQuantFactory
+from hasten.distributed.layers import ParallelDecoder, ShardQuantFactory, decoder_weight_bytes
 from hasten.distributed.sharding import ShardedState, ShardPlan
 from hasten.engine.model_runner import ModelRunner, StepInputs
 from hasten.model.config import ModelConfig
-from hasten.model.decoder import wide_attention_rows
+from hasten.model.decoder import Decoder, wide_attention_rows
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +40,31 @@ class WorkerSpec:
     num_blocks: int
     attention_backend: str
     threads: int | None  # intra-op threads of each worker (None: torch's default)
+    mode: str = "tensor"  # tensor | pipeline
 
 
-def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: ParallelGroup) -> ParallelDecoder:
-    """Rank `rank`'s decoder over its shards, read from the checkpoint shard by shard."""
+def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: ParallelGroup) -> Decoder:
+    """Rank `rank`'s decoder: its tensor-parallel shards or its pipeline stage's layers, read from the
+    checkpoint part by part."""
     config = spec.config
-    plan = ShardPlan(cfg, rank, group.world)
-    state = ShardedState(Path(spec.folder), plan)
-    if config.quantization:
-        factory = ShardQuantFactory(config, state, group.world)
-    else:
-        from hasten.model.linear import float_linear_factory
+    options = dict(fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
+    if spec.mode == "pipeline":
+        from hasten.distributed.pipeline import StageDecoder, StagePlan, StageState
+        from hasten.quant.factory import engine_linear_factory
 
-        factory = float_linear_factory(config.cpu_linear_backend, spec.dtype)
-    model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory,
-                            fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
+        stage = StagePlan(cfg, rank, group.world)
+        model: Decoder = StageDecoder(stage, StageState(Path(spec.folder), stage), spec.dtype, spec.max_model_len,
+                                      engine_linear_factory(config, Path(spec.folder), spec.dtype), **options)
+    else:
+        plan = ShardPlan(cfg, rank, group.world)
+        state = ShardedState(Path(spec.folder), plan)
+        if config.quantization:
+            factory = ShardQuantFactory(config, state, group.world)
+        else:
+            from hasten.model.linear import float_linear_factory
+
+            factory = float_linear_factory(config.cpu_linear_backend, spec.dtype)
+        model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory, **options)
     model.set_wide_attention_rows(wide_attention_rows(model, config))
     return model
 
@@ -87,13 +98,21 @@ def worker_main(rank: int, world: int, init_method: str, timeout_s: float) -> No
         model = build_rank_model(spec, cfg, rank, group)
         runner = ModelRunner(model, model.cfg, spec.num_blocks, spec.config.block_size, spec.kv_dtype,
                              spec.attention_backend)
-        group.gather_object(model.weight_bytes())  # loaded: rank 0 waits for every rank here
+        stage = None
+        if spec.mode == "pipeline":
+            from hasten.distributed.pipeline import PipelineStage
+
+            stage = PipelineStage(model, runner, group)
+        group.gather_object(decoder_weight_bytes(model))  # loaded: rank 0 waits for every rank here
         with torch.inference_mode():
             while True:
                 msg = group.broadcast_object()
                 if msg[0] == "stop":
                     break
-                runner.run_step(msg[1])
+                if msg[0] == "pipeline":
+                    stage.run(msg[1])
+                else:
+                    runner.run_step(msg[1])
     except TensorParallelError as exc:
         logger.error("leaving: %s", exc)
         os._exit(1)

@@ -62,15 +62,15 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
-        tp = config.tensor_parallel_size
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
+        from hasten.distributed.launch import parallel_layout
+
+        parallel, world = parallel_layout(config)
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         rank_cfg = cfg
-        if tp > 1:
+        if world > 1:
             from hasten.distributed.launch import local_config
 
-            rank_cfg = local_config(cfg, tp)  # each rank's KV pool holds its KV heads only
+            rank_cfg = local_config(cfg, parallel, world)  # each rank's KV pool holds its heads / layers only
         bs = config.block_size
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
@@ -82,8 +82,8 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} sequence "
                 f"(needs {min_blocks}); raise kv_cache_memory_gb or lower max_model_len"
             )
-        self.parallel = None  # the tensor-parallel group (rank 0's handle), when tp > 1
-        if tp > 1:
+        self.parallel = None  # the tensor- or pipeline-parallel group (rank 0's handle)
+        if world > 1:
             from hasten.distributed.launch import start_rank0
 
             self.parallel, self.model = start_rank0(config, folder, cfg, self.dtype, self.kv_dtype,
@@ -114,10 +114,12 @@ class LLMEngine:
             self.kv,
         )
         if self.parallel is not None:
-            from hasten.distributed.worker import ParallelModelRunner
-
-            self.runner: ModelRunner = ParallelModelRunner(self.model, self.parallel, self.model.cfg, num_blocks, bs,
-                                                           self.kv_dtype, self.attention_backend)
+            if parallel == "pipeline":
+                from hasten.distributed.pipeline import PipelineModelRunner as runner_cls
+            else:
+                from hasten.distributed.worker import ParallelModelRunner as runner_cls
+            self.runner: ModelRunner = runner_cls(self.model, self.parallel, self.model.cfg, num_blocks, bs,
+                                                  self.kv_dtype, self.attention_backend)
         else:
             self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
         self.sampler = Sampler(cfg.vocab_size)
@@ -131,13 +133,9 @@ class LLMEngine:
         logger.info("loaded %s (%s) in %.2fs: %d KV blocks of %d tokens", self.model_name, self.dtype, self.load_time, num_blocks, bs)
 
     def _linear_factory(self, folder):
-        if not self.config.quantization:
-            from hasten.model.linear import float_linear_factory
+        from hasten.quant.factory import engine_linear_factory
 
-            return float_linear_factory(self.config.cpu_linear_backend, self.dtype)
-        from hasten.quant import linear_factory_for
-
-        return linear_factory_for(self.config, folder)
+        return engine_linear_factory(self.config, folder, self.dtype)
 
     def _make_proposer(self):
         spec = self.config.speculative

@@ -34,6 +34,19 @@ class StepInputs:
     prompt_spans: list[tuple[int, int]]  # (first row, count) of each prompt-logprobs request, in order
 
 
+@dataclass
+class PreparedStep:
+    step: StepInputs
+    sample_requests: list[Request]
+    num_rows: list[int]
+    prompt_requests: list[tuple[Request, int]]  # (request, first position) of each prompt span
+
+    def result(self, logits: torch.Tensor | None, prompt_rows: list[torch.Tensor]) -> StepResult:
+        prompt_logits = {req.request_id: (first_pos, lg)
+                         for (req, first_pos), lg in zip(self.prompt_requests, prompt_rows, strict=True)}
+        return StepResult(self.sample_requests, logits, self.num_rows, prompt_logits)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -136,6 +149,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        prepared = self.prepare(batch)
+        logits, prompt_rows = self.run_step(prepared.step)
+        return prepared.result(logits, prompt_rows)
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        """The step's tensors for `batch`, and which requests its logits rows belong to."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -173,10 +192,7 @@ class ModelRunner:
         step = StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                           torch.tensor(sample_rows, dtype=torch.long) if sample_reqs else None,
                           [(first_row, count) for _, _, first_row, count in prompt_lp])
-        logits, prompt_rows = self.run_step(step)
-        prompt_logits = {req.request_id: (first_pos, lg)
-                         for (req, first_pos, _, _), lg in zip(prompt_lp, prompt_rows, strict=True)}
-        return StepResult(sample_reqs, logits, num_rows, prompt_logits)
+        return PreparedStep(step, sample_reqs, num_rows, [(req, first_pos) for req, first_pos, _, _ in prompt_lp])
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The decoder over one step's tensors: (logits of the sampled rows, logits of each prompt-logprobs span).

@@ -82,6 +82,7 @@ class Decoder:
         self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.attention_group = attention_group
         self.wide_attention_rows = 0  # set_wide_attention_rows
+        self.returns_residual = False  # a pipeline stage before the last: forward() ends at the residual stream
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
         if native_loop and self.ops is not None:
             from hasten.model.native_loop import build_decoder_loop
@@ -169,7 +170,8 @@ class Decoder:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final-norm hidden states [T, hidden]."""
+        """input_ids, positions: [T]. Returns the final-norm hidden states [T, hidden] (the residual stream
+        before the final norm if returns_residual)."""
         if self.loop is not None and meta.block_tables is not None:
             return self.loop.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start,
                                      meta.context_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches])
@@ -191,7 +193,7 @@ class Decoder:
             if lw.mlp_out_norm is not None:
                 m = rms_norm(m, lw.mlp_out_norm, eps)
             h = h + self._branch(m)
-        return rms_norm(h, self.final_norm, eps)
+        return h if self.returns_residual else rms_norm(h, self.final_norm, eps)
 
     def _forward_fused(
         self,
@@ -228,7 +230,7 @@ class Decoder:
                 down = ops.rms_norm(down, lw.mlp_out_norm, eps)
             norm = self.final_norm if i == last else self.layers[i + 1].input_norm
             x = ops.add_rms_norm(h, self._branch(down), norm, eps)
-        return x
+        return h if self.returns_residual else x
 
     def _mlp_fused(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if lw.moe is not None or self.cfg.hidden_act != "silu":

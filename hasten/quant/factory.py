@@ -219,6 +219,15 @@ class QuantizingFactory:
         return sum(int(getattr(layer, "nbytes", 0)) for layer in self.layers.values())
 
 
+def engine_linear_factory(config, model_folder: Path, dtype: torch.dtype) -> LinearFactory:
+    """How the engine stores each projection: `config.quantization`'s layers, else the float backend's."""
+    if not config.quantization:
+        from hasten.model.linear import float_linear_factory
+
+        return float_linear_factory(config.cpu_linear_backend, dtype)
+    return linear_factory_for(config, model_folder)
+
+
 def linear_factory_for(config, model_folder: Path) -> LinearFactory:
     """The engine's hook: a LinearFactory for `config.quantization` (int8 | int4 | gguf)."""
     opts = QuantOptions.from_config(config)

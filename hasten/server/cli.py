@@ -51,6 +51,7 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "enable_chunked_prefill": "enable_chunked_prefill",
     "tensor_parallel_size": "tensor_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
 }
 
 
@@ -84,6 +85,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int,
                    help="split the model over N ranks (torch.distributed; one node spawns them; several nodes: "
                         "torchrun-style MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, docs/deploy.md)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   help="split the model's layers into N pipeline stages, one rank each (launched as for -tp)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
@@ -281,11 +284,11 @@ def _serve_as_worker_rank(options: dict[str, Any]) -> bool:
     from hasten.distributed.worker import worker_main
 
     launch = external_launch()
-    world = options.get("tensor_parallel_size", 1)
+    world = max(options.get("tensor_parallel_size", 1), options.get("pipeline_parallel_size", 1))
     if launch is None or world != launch["world"]:
-        raise _usage_error(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} needs --tensor-parallel-size "
-                           f"{os.environ.get('WORLD_SIZE')} on every rank")
-    logger.info("tensor-parallel rank %d of %d: joining %s", launch["rank"], world, launch["init_method"])
+        raise _usage_error(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} needs --tensor-parallel-size or "
+                           f"--pipeline-parallel-size {os.environ.get('WORLD_SIZE')} on every rank")
+    logger.info("parallel rank %d of %d: joining %s", launch["rank"], world, launch["init_method"])
     worker_main(launch["rank"], world, launch["init_method"], float(options.get("distributed_timeout_s", 300.0)))
     return True
 

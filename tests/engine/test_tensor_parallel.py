@@ -150,3 +150,4 @@ def test_torchrun_style_launch_rank1_is_a_hasten_serve_worker(tiny_models, monke
         monkeypatch.delenv(k)
     ref = LLM(path, **OPTS).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
