@@ -18,6 +18,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ class ParallelGroup:
     processes: list[Any] = field(default_factory=list)  # the ranks rank 0 spawned (single node)
     rank_weight_bytes: list[int] = field(default_factory=list)  # each rank's resident weights, measured at load
     closed: bool = False
+    collective_s: float = 0.0  # time this rank spent in the in-step collectives (all-reduce, gather, p2p)
+    collective_calls: int = 0
 
     @classmethod
     def join(cls, rank: int, world: int, init_method: str, timeout_s: float, backend: str | None = None,
@@ -73,7 +76,7 @@ class ParallelGroup:
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self._guard(dist.all_reduce, t)
+        self._timed(dist.all_reduce, t)
         return t
 
     def all_gather_cols(self, local: torch.Tensor, step: int, total: int) -> torch.Tensor:
@@ -81,7 +84,7 @@ class ParallelGroup:
         if local.shape[1] < step:
             local = torch.nn.functional.pad(local, (0, step - local.shape[1]))
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        self._guard(dist.all_gather, parts, local.contiguous())
+        self._timed(dist.all_gather, parts, local.contiguous())
         return torch.cat(parts, dim=1)[:, :total]
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -96,16 +99,22 @@ class ParallelGroup:
             raise TensorParallelError(f"rank {self.rank}: {self.describe_failure(exc)}") from exc
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
-        self._guard(dist.recv, t, src, tag=tag)
+        self._timed(dist.recv, t, src, tag=tag)
 
     def wait(self, work: Any) -> None:
-        self._guard(work.wait)
+        self._timed(work.wait)
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank (control group)."""
         out: list[Any] = [None] * self.world
         self._guard(dist.all_gather_object, out, obj, group=self.control)
         return out
+
+    def _timed(self, fn, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        self._guard(fn, *args, **kwargs)
+        self.collective_s += time.perf_counter() - t0
+        self.collective_calls += 1
 
     def _guard(self, fn, *args, **kwargs) -> None:
         try:
