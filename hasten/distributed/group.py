@@ -49,15 +49,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
 @dataclass
 class ParallelGroup:
     rank: int
     world: int
     control: Any  # the process group rank 0 broadcasts each step's inputs on
+    tp_size: int = 1  # the ranks of one pipeline stage, which split each of its layers
+    tp_group: Any = None  # their process group (None: every rank, when there is a single stage)
     processes: list[Any] = field(default_factory=list)  # the ranks rank 0 spawned (single node)
     rank_weight_bytes: list[int] = field(default_factory=list)  # each rank's resident weights, measured at load
     closed: bool = False
@@ -65,26 +63,45 @@ class ParallelGroup:
     collective_calls: int = 0
 
     @classmethod
-    def join(cls, rank: int, world: int, init_method: str, timeout_s: float, backend: str | None = None,
-             processes: list[Any] | None = None) -> ParallelGroup:
-        backend = backend or default_backend()
+    def join(cls, rank: int, world: int, init_method: str, timeout_s: float, tp_size: int = 0,
+             backend: str = "gloo", processes: list[Any] | None = None) -> ParallelGroup:
+        """tp_size: ranks per pipeline stage (0: all of them, tensor parallelism only). Stage s is
+        global ranks s * tp_size .. (s + 1) * tp_size - 1."""
+        tp_size = tp_size or world
+        if world % tp_size:
+            raise ValueError(f"{world} ranks do not form stages of {tp_size}")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         # the control messages go over gloo whatever the compute backend (they are pickled host objects)
         control = dist.new_group(list(range(world)), timeout=CONTROL_TIMEOUT, backend="gloo")
-        return cls(rank, world, control, processes or [])
+        tp_group = None
+        if 1 < tp_size < world:  # every rank creates every stage's group, in the same order
+            for first in range(0, world, tp_size):
+                g = dist.new_group(list(range(first, first + tp_size)), backend=backend,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+                if first <= rank < first + tp_size:
+                    tp_group = g
+        return cls(rank, world, control, tp_size, tp_group, processes or [])
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self._timed(dist.all_reduce, t)
+        """Sum over this stage's tensor-parallel ranks (nothing to do without tensor parallelism)."""
+        if self.tp_size > 1:
+            self._timed(dist.all_reduce, t, group=self.tp_group)
         return t
 
     def all_gather_cols(self, local: torch.Tensor, step: int, total: int) -> torch.Tensor:
-        """[rows, <= step] on each rank -> [rows, total] (each rank's columns in rank order)."""
+        """[rows, <= step] on each TP rank of the stage -> [rows, total] (their columns in rank order)."""
+        if self.tp_size == 1:
+            return local
         if local.shape[1] < step:
             local = torch.nn.functional.pad(local, (0, step - local.shape[1]))
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        self._timed(dist.all_gather, parts, local.contiguous())
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        self._timed(dist.all_gather, parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=1)[:, :total]
 
     def broadcast_object(self, obj: Any = None) -> Any:

@@ -17,7 +17,7 @@ from hasten.distributed.group import (
     threads_per_rank,
 )
 from hasten.distributed.layers import decoder_weight_bytes
-from hasten.distributed.sharding import ShardPlan
+from hasten.distributed.sharding import ShardPlan, StagePlan
 from hasten.distributed.worker import WorkerSpec, build_rank_model, worker_main
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
@@ -25,50 +25,47 @@ from hasten.model.decoder import Decoder
 logger = logging.getLogger(__name__)
 
 
-def parallel_layout(config: Any) -> tuple[str, int]:
-    """("tensor" | "pipeline" | "none", ranks) of an EngineConfig."""
+def parallel_layout(config: Any) -> tuple[int, int]:
+    """(tensor-parallel ranks per stage, pipeline stages) of an EngineConfig; tp * pp ranks in all."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     for name, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{name} must be a positive integer, not {n!r}")
-    if tp > 1 and pp > 1:
-        raise ValueError("tensor and pipeline parallelism together (TP x PP) are not supported yet: pick one")
-    return ("tensor", tp) if tp > 1 else ("pipeline", pp) if pp > 1 else ("none", 1)
+    return tp, pp
 
 
-def local_config(cfg: ModelConfig, mode: str, world: int) -> ModelConfig:
-    """Rank 0's config (validates that the model splits `world` ways); under pipeline parallelism
-    stage 0 has the most layers, so it sizes every stage's KV pool."""
-    if mode == "pipeline":
-        from hasten.distributed.pipeline import StagePlan
-
-        return StagePlan(cfg, 0, world).local_config()
-    return ShardPlan(cfg, 0, world).local_config()
+def local_config(cfg: ModelConfig, tp: int, pp: int) -> ModelConfig:
+    """Rank 0's config (validates that the model splits that way): its heads and MLP rows, of stage 0's
+    layers; stage 0 has the most layers, so it sizes every rank's KV pool."""
+    shard = ShardPlan(cfg, 0, tp).local_config()
+    return StagePlan(cfg, 0, pp).local_config(shard) if pp > 1 else shard
 
 
 def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
                 max_model_len: int, num_blocks: int, attention_backend: str) -> tuple[ParallelGroup, Decoder]:
     """Spawn ranks 1..N-1 on this machine (or meet them: torchrun-style launch), share the spec, build
     rank 0's part and wait until every rank has loaded its own."""
-    mode, world = parallel_layout(config)
-    local_config(cfg, mode, world)  # the model must split before anything starts
+    tp, pp = parallel_layout(config)
+    world = tp * pp
+    local_config(cfg, tp, pp)  # the model must split before anything starts
+    mode = f"TP={tp} x PP={pp}"
     launch = external_launch()
     if launch is not None:
         if launch["rank"] != 0 or launch["world"] != world:
             raise ValueError(f"launched as rank {launch['rank']} of WORLD_SIZE={launch['world']}, but this engine is "
-                             f"rank 0 of {world} ({mode} parallel)")
+                             f"rank 0 of {world} ({mode})")
         init_method, procs, threads = launch["init_method"], [], config.num_threads
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        procs = spawn_workers(world, init_method, config.distributed_timeout_s)
+        procs = spawn_workers(world, init_method, config.distributed_timeout_s, tp)
         threads = threads_per_rank(world, config.num_threads)
     if threads:
         torch.set_num_threads(threads)
     group = None
     try:
-        group = ParallelGroup.join(0, world, init_method, config.distributed_timeout_s, processes=procs)
+        group = ParallelGroup.join(0, world, init_method, config.distributed_timeout_s, tp, processes=procs)
         spec = WorkerSpec(config, str(folder), dtype, kv_dtype, max_model_len, num_blocks, attention_backend,
-                          threads, mode)
+                          threads, tp, pp)
         group.broadcast_object(spec)
         model = build_rank_model(spec, cfg, 0, group)
         group.rank_weight_bytes = group.gather_object(decoder_weight_bytes(model))  # every rank has loaded its shard
@@ -80,18 +77,18 @@ def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
         for p in procs:
             p.terminate()
         raise
-    logger.info("%s parallel: %d ranks over %s, weights per rank (MB): %s", mode, world, init_method,
+    logger.info("%s: %d ranks over %s, weights per rank (MB): %s", mode, world, init_method,
                 ", ".join(f"{b / 1e6:.1f}" for b in group.rank_weight_bytes))
     return group, model
 
 
-def spawn_workers(world: int, init_method: str, timeout_s: float) -> list[Any]:
+def spawn_workers(world: int, init_method: str, timeout_s: float, tp_size: int) -> list[Any]:
     """Start ranks 1..world-1 on this machine (spawned, daemonic: they end with this process)."""
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, world):
-        p = ctx.Process(target=worker_main, args=(rank, world, init_method, timeout_s), daemon=True,
-                        name=f"hasten-tp-rank{rank}")
+        p = ctx.Process(target=worker_main, args=(rank, world, init_method, timeout_s, tp_size),
+                        daemon=True, name=f"hasten-rank{rank}")
         p.start()
         procs.append(p)
     return procs

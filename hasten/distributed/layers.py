@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hasten.distributed.group import ParallelGroup
-from hasten.distributed.sharding import ShardedState, ShardPlan, row_parallel_source
+from hasten.distributed.sharding import ShardedState, ShardPlan, StagePlan, row_parallel_source, stage_factory
 from hasten.model.decoder import Decoder
 from hasten.model.linear import LinearFactory, LinearLayer
 
@@ -42,6 +42,8 @@ class RowParallelLinear:
 
 def parallel_factory(inner: LinearFactory, group: ParallelGroup) -> LinearFactory:
     """`inner`'s layers, the row-parallel ones (o_proj, down_proj) wrapped to all-reduce."""
+    if group.tp_size == 1:
+        return inner
 
     def make(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
         layer = inner(name, weight, bias)
@@ -93,18 +95,29 @@ class ShardQuantFactory:
 
 
 class ParallelDecoder(Decoder):
-    """A Decoder over one rank's shards: vocab-parallel embedding and logits, all-reducing o/down."""
+    """A Decoder over one rank's part of the model: its tensor-parallel shards (vocab-parallel embedding
+    and logits, all-reducing o/down) of its pipeline stage's layers (from the received residual stream,
+    to the residual stream before the last stage)."""
 
     def __init__(self, plan: ShardPlan, state: ShardedState, group: ParallelGroup, dtype: torch.dtype,
-                 max_len: int, linear_factory: LinearFactory, **options: Any):
+                 max_len: int, linear_factory: LinearFactory, stage: StagePlan | None = None, **options: Any):
         self.plan = plan
+        self.stage = stage
         self.group = group
+        self.hidden_in: torch.Tensor | None = None  # a later stage's input: the residual stream it received
         self.vocab_lo, self.vocab_hi = plan.vocab_rows()
         options["native_loop"] = False  # the C++ loop looks up the whole embedding itself
-        super().__init__(plan.local_config(), state, dtype, max_len, parallel_factory(linear_factory, group),
-                         **options)
+        cfg = plan.local_config()
+        factory = parallel_factory(linear_factory, group)
+        if stage is not None:
+            cfg, factory = stage.local_config(cfg), stage_factory(factory, stage)
+        super().__init__(cfg, state, dtype, max_len, factory, **options)
+        self.returns_residual = stage is not None and not stage.last
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.stage is not None and not self.stage.first:
+            assert self.hidden_in is not None
+            return self.hidden_in
         local = input_ids - self.vocab_lo
         mine = (local >= 0) & (local < self.vocab_hi - self.vocab_lo)
         h = self.embed[local.clamp(0, max(0, self.embed.shape[0] - 1))] if self.embed.shape[0] else \
@@ -122,10 +135,6 @@ class ParallelDecoder(Decoder):
         if cfg.final_softcap:
             out = torch.tanh(out / cfg.final_softcap) * cfg.final_softcap
         return out
-
-    def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (projections, embedding, lm_head, norms)."""
-        return decoder_weight_bytes(self)
 
 
 def decoder_weight_bytes(model: Decoder) -> int:

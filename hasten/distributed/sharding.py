@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from hasten.model.config import ModelConfig
+from hasten.model.linear import LinearFactory, LinearLayer
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class ShardPlan:
         cfg, n = self.cfg, self.world
         if n < 1 or not 0 <= self.rank < n:
             raise ValueError(f"rank {self.rank} of a tensor-parallel group of {n}")
+        if n == 1:
+            return
         if cfg.num_experts:
             raise ValueError("tensor parallelism does not shard mixture-of-experts models yet (expert parallelism)")
         if cfg.qk_norm_full:
@@ -99,6 +102,78 @@ class ShardPlan:
         return start * d, (start + self.kv_heads) * d
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """Pipeline stage `stage` of `stages`: layers [lo, hi) of the model (the first stages one more when
+    the layers do not divide evenly), the embedding on stage 0, the final norm + lm_head on the last."""
+
+    cfg: ModelConfig
+    stage: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or not 0 <= self.stage < self.stages:
+            raise ValueError(f"stage {self.stage} of a pipeline of {self.stages}")
+        if self.cfg.num_layers < self.stages:
+            raise ValueError(f"--pipeline-parallel-size {self.stages} exceeds the model's {self.cfg.num_layers} layers")
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def layers(self) -> tuple[int, int]:
+        base, extra = divmod(self.cfg.num_layers, self.stages)
+        lo = self.stage * base + min(self.stage, extra)
+        return lo, lo + base + (1 if self.stage < extra else 0)
+
+    def local_config(self, cfg: ModelConfig | None = None) -> ModelConfig:
+        """`cfg` (default: the plan's) narrowed to this stage's layers."""
+        c = cfg or self.cfg
+        lo, hi = self.layers()
+        return replace(c, num_layers=hi - lo, layer_windows=c.layer_windows[lo:hi] if c.layer_windows else [],
+                       moe_layers=c.moe_layers[lo:hi] if c.moe_layers else [])
+
+
+class NotOnThisStage:
+    """lm_head of a pipeline stage before the last: never called."""
+
+    nbytes = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("lm_head lives on the last pipeline stage")
+
+
+_LOCAL_LAYER = re.compile(r"(model\.)?layers\.(\d+)\.(.+)$")
+
+
+def global_layer_name(name: str, offset: int, count: int | None = None) -> str | None:
+    """A stage's name of a layer tensor or projection ("layers.0.o_proj") as the checkpoint numbers it;
+    None for a layer the stage does not have."""
+    m = _LOCAL_LAYER.fullmatch(name)
+    if m is None:
+        return name
+    j = int(m.group(2))
+    if count is not None and j >= count:
+        return None
+    return f"{m.group(1) or ''}layers.{j + offset}.{m.group(3)}"
+
+
+def stage_factory(inner: LinearFactory, stage: StagePlan) -> LinearFactory:
+    """`inner` asked with the checkpoint's layer numbers (so quantized files and GGUF blocks match)."""
+    offset = stage.layers()[0]
+
+    def make(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
+        if name == "lm_head" and not stage.last:
+            return NotOnThisStage()
+        return inner(global_layer_name(name, offset) or name, weight, bias)
+
+    return make
+
+
 # name patterns of the HF checkpoints the decoder reads (hasten/model/weights.py)
 _LAYER = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias)$")
 _ROWS = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
@@ -107,12 +182,18 @@ _COLUMNS = {"self_attn.o_proj": "q", "mlp.down_proj": "inter"}
 
 
 class ShardedState(Mapping[str, torch.Tensor]):
-    """The checkpoint tensors as rank `plan.rank` holds them, read lazily (safetensors slices).
+    """The checkpoint tensors as tensor-parallel rank `plan.rank` of pipeline stage `stage` holds them,
+    read lazily (safetensors slices). The names are the stage's: its layers numbered from 0.
 
-    A row-parallel layer's bias is kept by rank 0 only (the all-reduce would add it N times)."""
+    A row-parallel layer's bias is kept by TP rank 0 only (the all-reduce would add it N times). The
+    embedding is empty on the stages that do not use it (all but the first, and the last when lm_head
+    is tied to it), and so is lm_head before the last stage."""
 
-    def __init__(self, folder: Path, plan: ShardPlan):
+    def __init__(self, folder: Path, plan: ShardPlan, stage: StagePlan | None = None):
         self.plan = plan
+        self.stage = stage
+        lo, hi = stage.layers() if stage is not None else (0, plan.cfg.num_layers)
+        self._offset, self._count = lo, hi - lo
         files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"tensor parallelism reads safetensors checkpoints; none in {folder}")
@@ -123,20 +204,22 @@ class ShardedState(Mapping[str, torch.Tensor]):
                 self._where[name] = i
 
     def __contains__(self, name: object) -> bool:
-        if not isinstance(name, str) or name not in self._where:
+        name = global_layer_name(name, self._offset, self._count) if isinstance(name, str) else None
+        if name is None or name not in self._where:
             return False
         m = _LAYER.match(name)
         # row-parallel biases live on rank 0 only
         return not (m and m.group(1) in _COLUMNS and m.group(2) == "bias" and self.plan.rank != 0)
 
     def __iter__(self) -> Iterator[str]:
-        return (n for n in self._where if n in self)
+        return iter([])  # the decoder asks by name only
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return 0
 
     def full(self, name: str) -> torch.Tensor:
-        """The whole tensor (used transiently, e.g. for a row-parallel int8 layer's per-row scales)."""
+        """The whole tensor, by its checkpoint name (used transiently, e.g. for a row-parallel int8 layer's
+        per-row scales)."""
         return self._handles[self._where[name]].get_tensor(name)
 
     def _slice(self, name: str):
@@ -145,7 +228,12 @@ class ShardedState(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self:
             raise KeyError(name)
-        p = self.plan
+        p, st = self.plan, self.stage
+        if st is not None:
+            uses_embed = st.first or (st.last and p.cfg.tie_word_embeddings)
+            if (name == "model.embed_tokens.weight" and not uses_embed) or (name == "lm_head.weight" and not st.last):
+                return torch.empty(0, p.cfg.hidden_size)
+        name = global_layer_name(name, self._offset) or name
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             lo, hi = p.vocab_rows()
             return self._slice(name)[lo:hi]

@@ -20,10 +20,10 @@ import torch
 
 from hasten.distributed.group import ParallelGroup, TensorParallelError
 from hasten.distributed.layers import ParallelDecoder, ShardQuantFactory, decoder_weight_bytes
-from hasten.distributed.sharding import ShardedState, ShardPlan
+from hasten.distributed.sharding import ShardedState, ShardPlan, StagePlan
 from hasten.engine.model_runner import ModelRunner, StepInputs
 from hasten.model.config import ModelConfig
-from hasten.model.decoder import Decoder, wide_attention_rows
+from hasten.model.decoder import wide_attention_rows
 
 logger = logging.getLogger(__name__)
 
@@ -40,31 +40,26 @@ class WorkerSpec:
     num_blocks: int
     attention_backend: str
     threads: int | None  # intra-op threads of each worker (None: torch's default)
-    mode: str = "tensor"  # tensor | pipeline
+    tp: int = 1  # tensor-parallel ranks per stage
+    pp: int = 1  # pipeline stages (global rank = stage * tp + tp rank)
 
 
-def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: ParallelGroup) -> Decoder:
-    """Rank `rank`'s decoder: its tensor-parallel shards or its pipeline stage's layers, read from the
+def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: ParallelGroup) -> ParallelDecoder:
+    """Rank `rank`'s decoder: its tensor-parallel shards of its pipeline stage's layers, read from the
     checkpoint part by part."""
     config = spec.config
-    options = dict(fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
-    if spec.mode == "pipeline":
-        from hasten.distributed.pipeline import StageDecoder, StagePlan, StageState
+    stage_index, tp_rank = divmod(rank, spec.tp)
+    plan = ShardPlan(cfg, tp_rank, spec.tp)
+    stage = StagePlan(cfg, stage_index, spec.pp) if spec.pp > 1 else None
+    state = ShardedState(Path(spec.folder), plan, stage)
+    if config.quantization and spec.tp > 1:
+        factory = ShardQuantFactory(config, state, spec.tp)
+    else:
         from hasten.quant.factory import engine_linear_factory
 
-        stage = StagePlan(cfg, rank, group.world)
-        model: Decoder = StageDecoder(stage, StageState(Path(spec.folder), stage), spec.dtype, spec.max_model_len,
-                                      engine_linear_factory(config, Path(spec.folder), spec.dtype), **options)
-    else:
-        plan = ShardPlan(cfg, rank, group.world)
-        state = ShardedState(Path(spec.folder), plan)
-        if config.quantization:
-            factory = ShardQuantFactory(config, state, group.world)
-        else:
-            from hasten.model.linear import float_linear_factory
-
-            factory = float_linear_factory(config.cpu_linear_backend, spec.dtype)
-        model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory, **options)
+        factory = engine_linear_factory(config, Path(spec.folder), spec.dtype)
+    model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory, stage,
+                            fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
     model.set_wide_attention_rows(wide_attention_rows(model, config))
     return model
 
@@ -83,11 +78,11 @@ class ParallelModelRunner(ModelRunner):
         return super().run_step(step)
 
 
-def worker_main(rank: int, world: int, init_method: str, timeout_s: float) -> None:
+def worker_main(rank: int, world: int, init_method: str, timeout_s: float, tp_size: int = 0) -> None:
     """A worker rank: join the group, take the spec rank 0 broadcasts, build its shard, then run every
     step rank 0 sends until "stop". Spawned by rank 0 on one node, or `hasten serve` on a rank > 0."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
-    group = ParallelGroup.join(rank, world, init_method, timeout_s)
+    group = ParallelGroup.join(rank, world, init_method, timeout_s, tp_size)
     try:
         spec: WorkerSpec = group.broadcast_object()
         if spec.threads:
@@ -99,7 +94,7 @@ def worker_main(rank: int, world: int, init_method: str, timeout_s: float) -> No
         runner = ModelRunner(model, model.cfg, spec.num_blocks, spec.config.block_size, spec.kv_dtype,
                              spec.attention_backend)
         stage = None
-        if spec.mode == "pipeline":
+        if spec.pp > 1:
             from hasten.distributed.pipeline import PipelineStage
 
             stage = PipelineStage(model, runner, group)

@@ -64,13 +64,14 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
         from hasten.distributed.launch import parallel_layout
 
-        parallel, world = parallel_layout(config)
+        tp, pp = parallel_layout(config)
+        world = tp * pp
         self.attention_backend = resolve_attention_backend(config.attention_backend)
         rank_cfg = cfg
         if world > 1:
             from hasten.distributed.launch import local_config
 
-            rank_cfg = local_config(cfg, parallel, world)  # each rank's KV pool holds its heads / layers only
+            rank_cfg = local_config(cfg, tp, pp)  # each rank's KV pool holds its heads / layers only
         bs = config.block_size
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
@@ -114,7 +115,7 @@ class LLMEngine:
             self.kv,
         )
         if self.parallel is not None:
-            if parallel == "pipeline":
+            if pp > 1:
                 from hasten.distributed.pipeline import PipelineModelRunner as runner_cls
             else:
                 from hasten.distributed.worker import ParallelModelRunner as runner_cls

@@ -284,12 +284,13 @@ def _serve_as_worker_rank(options: dict[str, Any]) -> bool:
     from hasten.distributed.worker import worker_main
 
     launch = external_launch()
-    world = max(options.get("tensor_parallel_size", 1), options.get("pipeline_parallel_size", 1))
+    tp = options.get("tensor_parallel_size", 1)
+    world = tp * options.get("pipeline_parallel_size", 1)
     if launch is None or world != launch["world"]:
         raise _usage_error(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} needs --tensor-parallel-size or "
-                           f"--pipeline-parallel-size {os.environ.get('WORLD_SIZE')} on every rank")
+                           f"--pipeline-parallel-size (their product) {os.environ.get('WORLD_SIZE')} on every rank")
     logger.info("parallel rank %d of %d: joining %s", launch["rank"], world, launch["init_method"])
-    worker_main(launch["rank"], world, launch["init_method"], float(options.get("distributed_timeout_s", 300.0)))
+    worker_main(launch["rank"], world, launch["init_method"], float(options.get("distributed_timeout_s", 300.0)), tp)
     return True
 
 

@@ -20,12 +20,13 @@ from tests.engine.conftest import random_prompts  # noqa: E402
 OPTS = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=64)
 
 
-def _compare_pipeline(path: str, stages: int, prompts, **options):
+def _compare_pipeline(path: str, stages: int, prompts, tensor_parallel_size: int = 1, **options):
     params = SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=2, ignore_eos=True)
     ref = LLM(path, **OPTS, **options)
     ref_outs = ref.generate(prompts, params, use_tqdm=False)
     total = decoder_weight_bytes(ref.engine.model)
-    with LLM(path, **OPTS, pipeline_parallel_size=stages, **options) as pp:
+    with LLM(path, **OPTS, pipeline_parallel_size=stages, tensor_parallel_size=tensor_parallel_size,
+             **options) as pp:
         outs = pp.generate(prompts, params, use_tqdm=False)
         rank_bytes = list(pp.engine.parallel.rank_weight_bytes)
     for a, b in zip(ref_outs, outs, strict=True):
@@ -83,9 +84,19 @@ def test_a_dying_stage_fails_the_engine_fast(tiny_models):
         pp.close()
 
 
+def test_tensor_parallel_stages_2x2_match_one_rank(tiny_models):
+    """TP x PP = 2 x 2: four ranks, each stage's layers split over two of them (slow on 2 cores, but exact)."""
+    path = tiny_models("llama", num_layers=4, num_heads=4, num_kv_heads=2)
+    total, rank_bytes = _compare_pipeline(path, 2, random_prompts(4, 200, seed=21, min_len=3, max_len=60),
+                                          tensor_parallel_size=2)
+    assert len(rank_bytes) == 4
+    for b in rank_bytes:  # a quarter of the layers' weights plus half of the embedding or lm_head each
+        assert b < 0.4 * total
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(pipeline_parallel_size=3), "exceeds the model's 2 layers"),
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "not supported yet"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=3), "must divide the 4 attention heads"),
 ])
 def test_pipeline_settings_that_cannot_split_are_refused(tiny_models, options, message):
     with pytest.raises(ValueError, match=message):

@@ -172,3 +172,39 @@ def test_stalled_engine_is_unhealthy(tiny_model: Path) -> None:
         t.join(30)
         assert result == [200]
         _wait(lambda: c.get("/health").status_code == 200, 10, "healthy again")
+
+
+def _spawned_ranks(pid: int) -> list[int]:
+    """The tensor-parallel ranks an engine process spawned (multiprocessing children running spawn_main)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_dead_tensor_parallel_rank_fails_fast_and_the_engine_restarts_with_new_ranks(tiny_model: Path) -> None:
+    options = {**LONG_OPTIONS, "tensor_parallel_size": 2}
+    factory = lambda: ProcessEngine.from_options(str(tiny_model), **options)  # noqa: E731
+    with ServerThread(factory) as srv, srv.client() as c:
+        first_pid = srv.engine.pid
+        (rank1,) = _spawned_ranks(first_pid)
+        started, ended = threading.Event(), []
+        stream = threading.Thread(target=_stream_until_error, args=(srv.url, started, ended))
+        stream.start()
+        assert started.wait(60), "the stream did not start"
+        killed_at = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        stream.join(30)
+        assert ended and ended[0][1] == "error event", ended
+        assert ended[0][0] - killed_at < 10, "the stream took over 10 s to fail"
+        _wait(lambda: c.get("/health").status_code == 200 and srv.engine.pid != first_pid, 120,
+              "the restarted engine")
+        assert len(_spawned_ranks(srv.engine.pid)) == 1, "the restarted engine has its own rank 1"
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
