@@ -1,4 +1,4 @@
-"""Command line entry point: `hasten serve | bench | gateway | eval-ppl | generate | models`.
+"""Command line entry point: `hasten serve | bench | gateway | eval-ppl | distill | generate | models`.
 
 Each sub-command lives in its own module and is imported lazily, so `hasten bench`
 does not pay for importing torch.
@@ -15,6 +15,7 @@ COMMANDS = {
     "bench": ("hasten.bench.cli", "Load-test any OpenAI-compatible server"),
     "gateway": ("hasten.gateway.cli", "Run the gateway in front of many replicas"),
     "eval-ppl": ("hasten.quant.cli", "Perplexity and top-1 agreement of a (quantized) model"),
+    "distill": ("hasten.distill.cli", "Prune layers and heal by distillation (hasten distill prune)"),
     "models": ("hasten.model.cli", "List the supported model architectures and GGUF block types"),
 }
 

@@ -1,9 +1,10 @@
 // The arithmetic of paged_attention_cpu.cpp: online-softmax updates of query rows against a run of
 // keys/values read in place from the cache (float32, or float16 / bfloat16 widened as they are
 // loaded), the exp and soft-cap helpers they use, and the widening of a narrow cache block.
-// Included by paged_attention_cpu.cpp only (see hasten/kernels/build.py); everything here has
-// internal linkage (an anonymous namespace), so the compiler inlines it as it would in one file
-// (external inline functions were called through the PLT, and decode attention lost ~20 %).
+// Included by paged_attention_cpu.cpp, and by decoder_ops_cpu.cpp for its exp (see
+// hasten/kernels/build.py); everything here has internal linkage (an anonymous namespace), so the
+// compiler inlines it as it would in one file (external inline functions were called through the
+// PLT, and decode attention lost ~20 %).
 #pragma once
 
 #include <ATen/ATen.h>

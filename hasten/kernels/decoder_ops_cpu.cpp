@@ -16,6 +16,7 @@
 // mean of squares is summed in double).
 
 #include "cpu_kernels.h"
+#include "attention_math.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -168,36 +169,36 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   return q;
 }
 
-// exp(x) for the fast SiLU: Cephes' expf polynomial after x = n ln2 + r (|r| <= ln2 / 2), 2^n put
-// into the exponent bits; branch-free so the compiler vectorizes the loop (within ~2 ulp of expf)
-inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+// sigmoid(x) from e = exp(-|x|) <= 1 (the attention kernels' branch-free exp): 1 / (1 + e) for x >= 0,
+// e / (1 + e) below; within |x| * 6e-8 relative of float64 (exp_nonpositive reduces the range in float32)
+inline float sigmoid_fast(float x) {
+  const float e = hasten_attention::exp_nonpositive(x < 0.0f ? x : 0.0f - x);
+  return (x < 0.0f ? e : 1.0f) / (1.0f + e);
 }
 
-// silu(gate) * up in float32 with exp_poly, for rows that the next projection rounds to bfloat16
-// anyway (fast=true in silu_mul): ~10x the exact loop, whose std::exp does not vectorize
+// silu(gate) * up in float32 with sigmoid_fast, for rows that the next projection rounds to bfloat16
+// anyway (fast=true in silu_mul): ~4x the exact loop, whose std::exp does not vectorize (256 x 3072:
+// 116 vs 453 us on 2 Sapphire Rapids cores)
 void silu_mul_fast_rows(const float* gp, float* op, int64_t T, int64_t I) {
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gp + t * 2 * I;
       const float* u = g + I;
       float* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      // 8 lanes of sigmoid_fast, the same operations in the same order (GCC leaves the scalar loop,
+      // floorf included, unvectorized)
+      const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
+        const __m256 e = hasten_attention::exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(zero, x), x, neg));
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] * sigmoid_fast(g[i]) * u[i];
     }
   });
 }

@@ -89,16 +89,18 @@ def test_silu_mul(dtype, tol):
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 8), (13, 1536), (40, 37)])
-def test_fast_silu_mul_is_within_a_few_ulp(rows, inter):
-    """fast=True (rows the down projection takes in bfloat16): the vectorized exp stays within a few
-    float32 ulp of silu(g) * u over the whole range, saturating cleanly at the extremes."""
+def test_fast_silu_mul_stays_close_to_float64(rows, inter):
+    """fast=True (rows the down projection takes in bfloat16): the attention kernels' vectorized exp
+    keeps silu(g) * u within 1e-5 relative over the whole range (|g| x 6e-8: its range reduction is in
+    float32; bfloat16 then rounds to 4e-3),
+    saturating cleanly at the extremes."""
     gen = torch.Generator().manual_seed(rows * inter)
     gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
     gate_up[0, :4] = torch.tensor([-200.0, -88.0, 0.0, 120.0])[: min(4, inter)]
     want = (F.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double())
     got = ops.silu_mul(gate_up, True)
     assert torch.isfinite(got).all()
-    assert ((got.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all()  # silu(-200) -> -1e-36, not -3e-85
+    assert ((got.double() - want).abs() <= 1e-5 * want.abs() + 1e-30).all()  # silu(-200) -> -1e-36, not -3e-85
     assert torch.equal(ops.silu_mul(gate_up.to(torch.bfloat16), True), ops.silu_mul(gate_up.to(torch.bfloat16)))
 
 

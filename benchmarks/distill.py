@@ -1,0 +1,105 @@
+"""Layer pruning healed by distillation (`hasten distill prune`) on the default model, in one run:
+
+  - which layers block influence removes, and the training budget spent healing (time, tokens, peak RSS);
+  - held-out ShareGPT perplexity of the original, of the pruned model before and after healing, and the
+    student's greedy next-token agreement with the original (hasten's own decoder, hasten.quant.evaluate);
+  - batch-1 decode tokens/s of the student vs the original, both served by hasten with the same settings
+    (float32 weights; and int8, the quantized setting that stays exact per layer), interleaved.
+
+usage: python benchmarks/distill.py [--layers 8] [--steps 400] [--max-minutes 20] [--out DIR] [--reuse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def decode_rate(model: str, tokens: int, **options) -> float:
+    from hasten import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=1024, kv_cache_memory_gb=0.25, **options)
+    prompt = llm.engine.apply_chat_template([{"role": "user", "content": "Tell me about the history of Rome."}])
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    return (tokens - 1) / (time.perf_counter() - t - first)
+
+
+def quality(student: str, original: str, seq_len: int, max_tokens: int) -> dict:
+    from hasten import LLM
+    from hasten.quant.data import evaluation_chunks
+    from hasten.quant.evaluate import evaluate
+
+    common = dict(num_kv_blocks=-(-(seq_len + 1) // 16) + 1, max_model_len=max(seq_len + 1, 128))
+    s, o = LLM(student, **common), LLM(original, **common)
+    seqs = evaluation_chunks(s.tokenizer, seq_len, max_tokens)
+    return evaluate(s.engine.model, seqs, o.engine.model).as_dict()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--max-minutes", type=float, default=20.0)
+    ap.add_argument("--calib-tokens", type=int, default=262144)
+    ap.add_argument("--out", default="/tmp/hasten-distill-prune")
+    ap.add_argument("--reuse", action="store_true", help="measure an existing --out (no training)")
+    ap.add_argument("--tokens", type=int, default=96, help="decode tokens per timing")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    from hasten.model.loader import resolve_model
+
+    original = str(resolve_model(None))
+    out = Path(args.out)
+    if not args.reuse:
+        cmd = [sys.executable, "-m", "hasten.cli", "distill", "prune", original, "--layers", str(args.layers),
+               "--out", str(out), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr",
+               str(args.lr), "--max-minutes", str(args.max_minutes), "--calib-tokens", str(args.calib_tokens),
+               "--eval-every", "50", "--restart"]
+        t = time.time()
+        rc = subprocess.run(cmd).returncode
+        print(f"distill exit status {rc} after {time.time() - t:.0f} s")
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        if rc not in (0, 1):
+            raise SystemExit(f"hasten distill prune failed ({rc})")
+    else:
+        peak_mb = float("nan")
+    report = json.loads((out / "distill.json").read_text())
+    q = quality(str(out), original, 256, 4096)
+    rates: dict[str, list[float]] = {k: [] for k in ("original fp32", "student fp32", "original int8", "student int8")}
+    for _ in range(args.rounds):
+        for name in rates:
+            model = original if name.startswith("original") else str(out)
+            opts = {"quantization": "int8"} if name.endswith("int8") else {}
+            rates[name].append(decode_rate(model, args.tokens, **opts))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ppl = report["heldout_perplexity"]
+    print(f"\nlayers removed: {report['layers_removed']} of {report['layers_before']}")
+    print(f"healing: {report['steps']} steps, {report['train_tokens']} tokens, {report['train_seconds']:.0f} s, "
+          f"peak RSS {peak_mb:.0f} MB")
+    print(f"held-out perplexity (transformers, distill.json): original {ppl['original']:.3f}, "
+          f"pruned {ppl['pruned']:.3f} ({100 * (ppl['pruned'] / ppl['original'] - 1):+.1f} %), "
+          f"healed {ppl['healed']:.3f} ({100 * (ppl['healed'] / ppl['original'] - 1):+.1f} %)")
+    print(f"held-out (hasten decoder): student {q['perplexity']:.3f} vs original {q['reference_perplexity']:.3f} "
+          f"({100 * q['increase']:+.1f} %), greedy next-token agreement {100 * q['top1_agreement']:.1f} %")
+    print("batch-1 decode tok/s (median of rounds):")
+    for kind in ("fp32", "int8"):
+        o, s = med[f"original {kind}"], med[f"student {kind}"]
+        print(f"  {kind}: original {o:.1f}, student {s:.1f}  ({s / o:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

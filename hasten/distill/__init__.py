@@ -1,0 +1,1 @@
+"""Smaller models from the one you serve: layer pruning healed by distillation (`hasten distill`)."""

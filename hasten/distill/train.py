@@ -1,0 +1,207 @@
+"""Distillation: a student trained on its teacher's next-token distributions (KL on the logits).
+
+The loop is plain PyTorch on transformers models. Every step takes the next `batch_size` training
+sequences in a fixed, seeded order, runs the frozen teacher and the student on them, and minimises
+KL(teacher || student) per token with AdamW and gradient clipping. Every `eval_every` steps it
+measures the same KL on held-out sequences. Deterministic for a given seed and thread count; a
+checkpoint (student, optimizer, step, RNG) is written every `checkpoint_every` steps and at the end
+of the time budget, and a run with the same settings resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT = "distill-checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    steps: int = 200
+    batch_size: int = 2
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    seed: int = 0
+    max_minutes: float | None = None  # stop (with a checkpoint) once this run has trained this long
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
+            raise ValueError("steps >= 0, batch_size, eval_every and checkpoint_every >= 1")
+        if not (self.lr > 0 and self.temperature > 0):
+            raise ValueError("lr and temperature must be positive")
+
+
+@dataclass
+class DistillState:
+    step: int = 0
+    train_seconds: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)  # {step, loss} and {step, heldout_kl}
+
+
+def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over tokens of KL(softmax(teacher / T) || softmax(student / T)), times T^2 (Hinton's scale)."""
+    t = temperature
+    s = F.log_softmax(student_logits.float() / t, dim=-1).flatten(0, -2)
+    p = F.log_softmax(teacher_logits.float() / t, dim=-1).flatten(0, -2)
+    return F.kl_div(s, p, log_target=True, reduction="batchmean") * t * t
+
+
+@torch.no_grad()
+def heldout_kl(student: Any, teacher: Any, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> float:
+    """Mean per-token KL of the student from the teacher over `sequences`."""
+    was_training = student.training
+    student.eval()
+    total, tokens = 0.0, 0
+    for ids in sequences:
+        x = torch.tensor([list(ids)])
+        kl = kl_per_token(student(x, use_cache=False).logits, teacher(x, use_cache=False).logits, temperature)
+        total += float(kl) * len(ids)
+        tokens += len(ids)
+    student.train(was_training)
+    return total / max(tokens, 1)
+
+
+class Distiller:
+    """Trains `student` toward `teacher` on `train` sequences; `heldout` measures it."""
+
+    def __init__(self, student: Any, teacher: Any, train: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]],
+                 config: DistillConfig, checkpoint_dir: Path | None = None, signature: dict | None = None):
+        if not train:
+            raise ValueError("no training sequences")
+        self.student, self.teacher, self.config = student, teacher, config
+        self.train_seqs, self.heldout = [list(s) for s in train], [list(s) for s in heldout]
+        self.checkpoint_dir = checkpoint_dir
+        self.signature = signature or {}  # what a checkpoint must match to be resumed
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        torch.manual_seed(config.seed)
+        params = [p for p in student.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.state = DistillState()
+        self.order = self._order()
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to 10 % at the last step."""
+        c = self.config
+        if step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        span = max(1, c.steps - c.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - c.warmup_steps) / span)))
+
+    def _order(self) -> list[int]:
+        """The training sequence of every step: seeded shuffles of the data, concatenated."""
+        c = self.config
+        g = torch.Generator().manual_seed(c.seed)
+        need = max(1, c.steps * c.batch_size)
+        order: list[int] = []
+        while len(order) < need:
+            order += torch.randperm(len(self.train_seqs), generator=g).tolist()
+        return order[:need]
+
+    # ------------------------------------------------------------ checkpoints
+    def _checkpoint_path(self) -> Path | None:
+        return self.checkpoint_dir / CHECKPOINT if self.checkpoint_dir is not None else None
+
+    def save_checkpoint(self) -> None:
+        path = self._checkpoint_path()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"student": self.student.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "schedule": self.schedule.state_dict(), "state": asdict(self.state),
+                    "rng": torch.get_rng_state(), "signature": self.signature,
+                    "config": asdict(self.config)}, tmp)
+        tmp.replace(path)
+
+    def try_resume(self) -> bool:
+        """Load the checkpoint of a run with the same signature and settings; False when there is none."""
+        path = self._checkpoint_path()
+        if path is None or not path.exists():
+            return False
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        mine = {k: v for k, v in asdict(self.config).items() if k != "max_minutes"}
+        theirs = {k: v for k, v in ck["config"].items() if k != "max_minutes"}
+        if ck["signature"] != self.signature or theirs != mine:
+            raise ValueError(f"{path} is the checkpoint of a different run (other model, layers or settings): "
+                             "pass --restart to discard it, or another --out")
+        self.student.load_state_dict(ck["student"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.schedule.load_state_dict(ck["schedule"])
+        self.state = DistillState(**ck["state"])
+        torch.set_rng_state(ck["rng"])
+        logger.info("resumed at step %d of %d", self.state.step, self.config.steps)
+        return True
+
+    # ------------------------------------------------------------ the loop
+    def run(self, progress: Callable[[DistillState, dict[str, float]], None] | None = None) -> DistillState:
+        """Train until `steps` or the time budget; returns the state (step reached, history)."""
+        c, st = self.config, self.state
+        if not st.history:
+            st.history.append({"step": 0, "heldout_kl": heldout_kl(self.student, self.teacher, self.heldout,
+                                                                   c.temperature)})
+        self.student.train()
+        run_start, trained_before = time.monotonic(), st.train_seconds  # the budget is this run's
+        while st.step < c.steps:
+            if c.max_minutes is not None and time.monotonic() - run_start > 60 * c.max_minutes:
+                logger.info("time budget of %.1f min reached at step %d", c.max_minutes, st.step)
+                break
+            batch = [self.train_seqs[i] for i in self.order[st.step * c.batch_size : (st.step + 1) * c.batch_size]]
+            loss = self._step(batch)
+            st.step += 1
+            st.train_seconds = trained_before + time.monotonic() - run_start
+            record = {"step": st.step, "loss": loss}
+            if st.step % c.eval_every == 0 or st.step == c.steps:
+                record["heldout_kl"] = heldout_kl(self.student, self.teacher, self.heldout, c.temperature)
+            st.history.append(record)
+            if progress is not None:
+                progress(st, record)
+            if st.step % c.checkpoint_every == 0:
+                self.save_checkpoint()
+        if "heldout_kl" not in st.history[-1]:
+            st.history.append({"step": st.step, "heldout_kl": heldout_kl(self.student, self.teacher, self.heldout,
+                                                                         c.temperature)})
+        self.save_checkpoint()
+        self.student.eval()
+        return st
+
+    def _step(self, batch: list[list[int]]) -> float:
+        """One optimizer step over `batch` (sequences of any lengths, one forward each)."""
+        c = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = sum(len(s) for s in batch)
+        loss_sum = 0.0
+        for ids in batch:
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                target = self.teacher(x, use_cache=False).logits
+            loss = kl_per_token(self.student(x, use_cache=False).logits, target, c.temperature)
+            (loss * (len(ids) / total_tokens)).backward()
+            loss_sum += loss.item() * len(ids)
+        torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm)
+        self.optimizer.step()
+        self.schedule.step()
+        return loss_sum / total_tokens
+
+
+def write_report(path: Path, report: dict) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,135 @@
+"""`hasten distill prune` on tiny random models: block influence finds a layer that does nothing, the
+pruned folder serves identically in hasten and transformers, healing lowers the held-out KL, a run
+resumes exactly, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hasten import LLM, SamplingParams  # noqa: E402
+from hasten.distill import cli  # noqa: E402
+from hasten.distill.prune import block_influence, least_influential, remove_layers  # noqa: E402
+from hasten.distill.train import DistillConfig, Distiller  # noqa: E402
+from hasten.testing import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("d") / "llama", arch="llama", num_layers=4))
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _seqs(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 380, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def test_block_influence_finds_the_layer_that_does_nothing(tiny):
+    model = _load(tiny)
+    layer = model.model.layers[1]  # its branches add zero: output == input
+    torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+    torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    scores = block_influence(model, _seqs(3, 24, 0))
+    assert scores[1] < 1e-6 < min(s for i, s in enumerate(scores) if i != 1)
+    assert least_influential(scores, 1) == [1]
+    with pytest.raises(ValueError, match="between 1 and 3"):
+        least_influential(scores, 4)
+
+
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("gemma2", {"sliding_window": 8})])
+def test_pruned_folder_serves_identically_in_hasten_and_transformers(tmp_path, arch, kwargs):
+    src = make_tiny_model(tmp_path / "src", arch=arch, num_layers=4, **kwargs)
+    student = remove_layers(_load(str(src)), [0, 2])
+    out = tmp_path / "student"
+    student.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
+    reloaded = _load(str(out))
+    assert reloaded.config.num_hidden_layers == 2 and len(reloaded.model.layers) == 2
+    if getattr(reloaded.config, "layer_types", None):
+        assert len(reloaded.config.layer_types) == 2
+    prompts = _seqs(3, 20, 4)
+    want = []
+    for p in prompts:
+        ids = reloaded.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+        want.append(ids[0, len(p):].tolist())
+    got = LLM(str(out), num_kv_blocks=64, max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
+def _distiller(tiny, steps: int, checkpoint_dir=None, drop=(2,), **kw) -> Distiller:
+    teacher = _load(tiny)
+    student = remove_layers(_load(tiny), list(drop))
+    config = DistillConfig(steps=steps, batch_size=2, lr=3e-3, warmup_steps=2, eval_every=5, checkpoint_every=5,
+                           seed=3, **kw)
+    return Distiller(student, teacher, _seqs(24, 32, 1), _seqs(4, 32, 2), config, checkpoint_dir, {"t": 1})
+
+
+def test_healing_lowers_the_heldout_kl(tiny):
+    d = _distiller(tiny, 30, drop=(1, 2))
+    state = d.run()
+    kls = [h["heldout_kl"] for h in state.history if "heldout_kl" in h]
+    assert kls[-1] < 0.85 * kls[0], kls
+    assert state.step == 30
+
+
+def test_a_stopped_run_resumes_to_the_same_student(tiny, tmp_path):
+    straight = _distiller(tiny, 10)
+    straight.run()
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_7(state, record):
+        if state.step == 7:
+            raise Stop
+
+    first = _distiller(tiny, 10, tmp_path)
+    with pytest.raises(Stop):
+        first.run(stop_at_7)  # the checkpoint of step 5 is on disk
+    second = _distiller(tiny, 10, tmp_path)
+    assert second.try_resume() and second.state.step == 5
+    second.run()
+    for (name, a), b in zip(straight.student.state_dict().items(), second.student.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    other = _distiller(tiny, 12, tmp_path)  # other settings: not this checkpoint's run
+    with pytest.raises(ValueError, match="different run"):
+        other.try_resume()
+
+
+def test_time_budget_stops_with_a_checkpoint(tiny, tmp_path):
+    d = _distiller(tiny, 10, tmp_path, max_minutes=0.0)
+    assert d.run().step == 0
+    assert (tmp_path / "distill-checkpoint.pt").exists()
+
+
+def test_cli_prunes_heals_writes_and_refuses_bad_input(tiny, tmp_path, capsys):
+    out = tmp_path / "student"
+    args = [tiny, "--layers", "1", "--out", str(out), "--seq-len", "48", "--calib-tokens", "2048",
+            "--heldout-tokens", "480", "--steps", "6", "--eval-every", "3", "--lr", "1e-3"]
+    assert cli.main(["prune", *args]) == 0
+    report = json.loads((out / "distill.json").read_text())
+    assert report["layers_before"] == 4 and len(report["layers_removed"]) == 1 and report["finished"]
+    assert set(report["heldout_perplexity"]) == {"original", "pruned", "healed"}
+    assert _load(str(out)).config.num_hidden_layers == 3
+    assert not (out / "distill-checkpoint.pt").exists()
+    with pytest.raises(SystemExit) as e:  # a finished student is not overwritten silently
+        cli.main(["prune", *args])
+    assert e.value.code == 2 and "already holds" in capsys.readouterr().err
+    for bad, message in ((["--layers", "4"], "between 1 and 3"), (["--out", tiny], "own folder")):
+        with pytest.raises(SystemExit):
+            cli.main(["prune", *args, "--out", str(tmp_path / "other"), *bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["prune", str(tmp_path / "nope"), "--layers", "1", "--out", str(tmp_path / "o")])
+    assert "not found" in capsys.readouterr().err
