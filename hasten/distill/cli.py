@@ -8,8 +8,9 @@
    distill.json: the layers removed, their scores, the loss history, held-out perplexity of the
    original, of the pruned model before healing and after.
 
-Deterministic for a seed; a run stopped by --max-minutes (or killed) resumes from DIR's checkpoint
-when started again with the same arguments (exit status 3: stopped, resumable).
+Deterministic for a seed. A run stopped by --max-minutes writes the student trained so far and exits
+with status 3; it (or a killed run) resumes from DIR's checkpoint when started again with the same
+arguments.
 `--max-ppl-increase` makes it a gate (exit 1 above).
 """
 
@@ -148,20 +149,22 @@ def prune_main(args: argparse.Namespace) -> int:
         "heldout_kl": [h for h in state.history if "heldout_kl" in h], "seed": args.seed,
         "seconds": round(time.time() - t0, 1),
     }
-    if not finished:
-        print(f"stopped at step {state.step} of {config.steps} (--max-minutes); run again to resume")
-        return 3
     out.mkdir(parents=True, exist_ok=True)
     student.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     write_report(report_path, report)
-    (out / CHECKPOINT).unlink(missing_ok=True)
+    if finished:
+        (out / CHECKPOINT).unlink(missing_ok=True)
     inc = healed_ppl / teacher_ppl - 1
     print(json.dumps({"layers_removed": drop, "perplexity": report["heldout_perplexity"], "increase": round(inc, 4)}))
     print(f"wrote {out} ({n_layers - len(drop)} layers)")
     if args.max_ppl_increase is not None and inc > args.max_ppl_increase:
         print(f"FAIL: held-out perplexity +{100 * inc:.1f}% > {100 * args.max_ppl_increase:.1f}%")
         return 1
+    if not finished:
+        print(f"stopped at step {state.step} of {config.steps} (--max-minutes): the student so far is in {out}; "
+              "run the same command again to continue")
+        return 3
     return 0
 
 

@@ -133,3 +133,16 @@ def test_cli_prunes_heals_writes_and_refuses_bad_input(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["prune", str(tmp_path / "nope"), "--layers", "1", "--out", str(tmp_path / "o")])
     assert "not found" in capsys.readouterr().err
+
+
+def test_cli_time_budget_writes_the_student_so_far_and_resumes(tiny, tmp_path):
+    out = tmp_path / "student"
+    args = ["prune", tiny, "--layers", "2", "--out", str(out), "--seq-len", "48", "--calib-tokens", "2048",
+            "--heldout-tokens", "480", "--steps", "6", "--eval-every", "3"]
+    assert cli.main([*args, "--max-minutes", "0"]) == 3
+    report = json.loads((out / "distill.json").read_text())
+    assert report["steps"] == 0 and not report["finished"]
+    assert (out / "distill-checkpoint.pt").exists() and _load(str(out)).config.num_hidden_layers == 2
+    assert cli.main(args) == 0  # the same command again: resumed and finished
+    report = json.loads((out / "distill.json").read_text())
+    assert report["steps"] == 6 and report["finished"] and not (out / "distill-checkpoint.pt").exists()
