@@ -62,7 +62,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads (per rank); None = torch's default (TP: cores / ranks)
     # tensor parallelism (hasten/distributed): heads, MLP rows and vocabulary split over this many ranks
     tensor_parallel_size: int = 1
-    # pipeline parallelism: the layers split into this many stages, micro-batches in flight (not with TP yet)
+    # pipeline parallelism: the layers split into this many stages, micro-batches in flight (combines with TP)
     pipeline_parallel_size: int = 1
     distributed_timeout_s: float = 300.0  # rendezvous and in-step collectives: a rank silent this long fails the engine
     seed: int = 0  # seed of the sampler for requests that bring none

@@ -89,10 +89,10 @@ def prune_main(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file")
     report_path = out / "distill.json"
-    if args.restart:
-        (out / CHECKPOINT).unlink(missing_ok=True)
-    elif report_path.exists() and not (out / CHECKPOINT).exists():
+    if not args.restart and report_path.exists() and not (out / CHECKPOINT).exists():
         raise _fail(f"{out} already holds a finished student: pass --restart to redo it, or another --out")
+    if args.max_minutes is not None and args.max_minutes < 0:
+        raise _fail("--max-minutes must not be negative")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -106,6 +106,8 @@ def prune_main(args: argparse.Namespace) -> int:
     n_layers = len(decoder_layers(teacher))
     if not 0 < args.layers < n_layers:
         raise _fail(f"--layers must be between 1 and {n_layers - 1} for this {n_layers}-layer model")
+    if args.restart:  # only once the arguments are known to be good
+        (out / CHECKPOINT).unlink(missing_ok=True)
     train = calibration_chunks(tok, args.seq_len, args.calib_tokens)
     heldout = evaluation_chunks(tok, args.seq_len, args.heldout_tokens)
     if not train or not heldout:
@@ -119,7 +121,7 @@ def prune_main(args: argparse.Namespace) -> int:
     teacher_ppl = _perplexity(teacher, heldout)
     pruned_ppl = _perplexity(student, heldout)
     signature = {"target": str(folder.resolve()), "drop": drop, "seq_len": args.seq_len,
-                 "calib_tokens": args.calib_tokens}
+                 "calib_tokens": args.calib_tokens, "heldout_tokens": args.heldout_tokens}
     distiller = Distiller(student, teacher, train, heldout, config, out, signature)
     try:
         if distiller.try_resume():
@@ -158,13 +160,13 @@ def prune_main(args: argparse.Namespace) -> int:
     inc = healed_ppl / teacher_ppl - 1
     print(json.dumps({"layers_removed": drop, "perplexity": report["heldout_perplexity"], "increase": round(inc, 4)}))
     print(f"wrote {out} ({n_layers - len(drop)} layers)")
-    if args.max_ppl_increase is not None and inc > args.max_ppl_increase:
-        print(f"FAIL: held-out perplexity +{100 * inc:.1f}% > {100 * args.max_ppl_increase:.1f}%")
-        return 1
-    if not finished:
+    if not finished:  # the gate applies to finished students only
         print(f"stopped at step {state.step} of {config.steps} (--max-minutes): the student so far is in {out}; "
               "run the same command again to continue")
         return 3
+    if args.max_ppl_increase is not None and inc > args.max_ppl_increase:
+        print(f"FAIL: held-out perplexity +{100 * inc:.1f}% > {100 * args.max_ppl_increase:.1f}%")
+        return 1
     return 0
 
 

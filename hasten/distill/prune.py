@@ -83,7 +83,9 @@ def remove_layers(model: Any, drop: Sequence[int]) -> Any:
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(types) == n:  # one entry per layer (sliding / full attention)
         cfg.layer_types = [types[i] for i in keep]
-    if getattr(cfg, "mlp_only_layers", None):  # Qwen3-MoE: layer numbers with a dense MLP
-        remap = {old: new for new, old in enumerate(keep)}
-        cfg.mlp_only_layers = [remap[i] for i in cfg.mlp_only_layers if i in remap]
+    step = getattr(cfg, "decoder_sparse_step", None)
+    if step is not None:  # Qwen3-MoE: dense where listed in mlp_only_layers or where (i + 1) % step != 0
+        mlp_only = set(getattr(cfg, "mlp_only_layers", None) or [])
+        dense = [j for j, i in enumerate(keep) if i in mlp_only or (i + 1) % step != 0]
+        cfg.mlp_only_layers, cfg.decoder_sparse_step = dense, 1  # the kept layers' kinds, spelled out
     return model

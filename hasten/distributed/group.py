@@ -59,6 +59,7 @@ class ParallelGroup:
     processes: list[Any] = field(default_factory=list)  # the ranks rank 0 spawned (single node)
     rank_weight_bytes: list[int] = field(default_factory=list)  # each rank's resident weights, measured at load
     closed: bool = False
+    broken: bool = False  # a step failed midway on this rank: the ranks are out of step, no more steps
     collective_s: float = 0.0  # time this rank spent in the in-step collectives (all-reduce, gather, p2p)
     collective_calls: int = 0
 
@@ -74,6 +75,13 @@ class ParallelGroup:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         # the control messages go over gloo whatever the compute backend (they are pickled host objects)
         control = dist.new_group(list(range(world)), timeout=CONTROL_TIMEOUT, backend="gloo")
+        layout = [tp_size]  # every rank must create the same stage groups: rank 0's layout decides
+        dist.broadcast_object_list(layout, src=0, group=control)
+        if layout[0] != tp_size:
+            dist.destroy_process_group()
+            raise ValueError(f"rank {rank} was started with {tp_size} tensor-parallel ranks per stage, rank 0 with "
+                             f"{layout[0]}: start every rank with the same --tensor-parallel-size and "
+                             "--pipeline-parallel-size")
         tp_group = None
         if 1 < tp_size < world:  # every rank creates every stage's group, in the same order
             for first in range(0, world, tp_size):
@@ -121,11 +129,12 @@ class ParallelGroup:
     def wait(self, work: Any) -> None:
         self._timed(work.wait)
 
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank (control group)."""
-        out: list[Any] = [None] * self.world
-        self._guard(dist.all_gather_object, out, obj, group=self.control)
-        return out
+    def gather_int(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order, on every rank: over the compute group, so a rank that
+        hangs (say, while loading) fails the others after distributed_timeout_s."""
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._guard(dist.all_gather, parts, torch.tensor([value], dtype=torch.int64))
+        return [int(p) for p in parts]
 
     def _timed(self, fn, *args, **kwargs) -> None:
         t0 = time.perf_counter()
@@ -152,14 +161,16 @@ class ParallelGroup:
             return
         self.closed = True
         if self.rank == 0:
-            try:
-                self.broadcast_object(("stop",))
-            except TensorParallelError:
-                pass
+            if not self.broken:  # workers inside a failed step's collective cannot take a message
+                try:
+                    self.broadcast_object(("stop",))
+                except TensorParallelError:
+                    pass
             for p in self.processes:
-                p.join(timeout=10)
+                p.join(timeout=10 if not self.broken else 0.5)
                 if p.is_alive():
                     p.terminate()
+                    p.join(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -68,7 +68,7 @@ def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
                           threads, tp, pp)
         group.broadcast_object(spec)
         model = build_rank_model(spec, cfg, 0, group)
-        group.rank_weight_bytes = group.gather_object(decoder_weight_bytes(model))  # every rank has loaded its shard
+        group.rank_weight_bytes = group.gather_int(decoder_weight_bytes(model))  # every rank has loaded its shard
     except BaseException:
         if group is not None:
             group.closed = True

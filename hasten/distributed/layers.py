@@ -79,7 +79,8 @@ class ShardQuantFactory:
         if o.mode == "int8":
             qw = quantize_int8(weight)
             if source is not None and self.world > 1:  # the full rows' scales (one layer read transiently)
-                scales = (self.state.full(source).float().abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+                full = self.state.full(source).to(weight.dtype).float()  # as the one-rank layer sees it
+                scales = (full.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
                 q = torch.round(weight.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8)
                 qw = Int8Weight(q.contiguous(), scales.contiguous(), None)
         else:

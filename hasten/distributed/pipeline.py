@@ -115,12 +115,17 @@ class PipelineModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        if self.group.closed:
-            raise TensorParallelError("the pipeline-parallel group is closed")
+        if self.group.closed or self.group.broken:
+            raise TensorParallelError("the pipeline-parallel group is closed (an earlier step failed)")
         prepared = [self.prepare(b) for b in split_batch(batch, self.model.stage.stages)]
         steps = [p.step for p in prepared]
-        self.group.broadcast_object(("pipeline", steps))
-        results = [p.result(*out) for p, out in zip(prepared, self.stage.run(steps), strict=True)]
+        try:
+            self.group.broadcast_object(("pipeline", steps))
+            outs = self.stage.run(steps)
+        except BaseException:
+            self.group.broken = True  # the other ranks may be inside this step: out of step for good
+            raise
+        results = [p.result(*out) for p, out in zip(prepared, outs, strict=True)]
         logits = [r.logits for r in results if r.logits is not None]
         return StepResult([q for r in results for q in r.sample_requests], torch.cat(logits) if logits else None,
                           [k for r in results for k in r.num_rows],

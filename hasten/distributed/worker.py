@@ -72,10 +72,14 @@ class ParallelModelRunner(ModelRunner):
         self.group = group
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        if self.group.closed:
-            raise TensorParallelError("the tensor-parallel group is closed")
-        self.group.broadcast_object(("step", step))
-        return super().run_step(step)
+        if self.group.closed or self.group.broken:
+            raise TensorParallelError("the tensor-parallel group is closed (an earlier step failed)")
+        try:
+            self.group.broadcast_object(("step", step))
+            return super().run_step(step)
+        except BaseException:
+            self.group.broken = True  # the other ranks may be inside this step's collectives: out of step
+            raise
 
 
 def worker_main(rank: int, world: int, init_method: str, timeout_s: float, tp_size: int = 0) -> None:
@@ -98,7 +102,7 @@ def worker_main(rank: int, world: int, init_method: str, timeout_s: float, tp_si
             from hasten.distributed.pipeline import PipelineStage
 
             stage = PipelineStage(model, runner, group)
-        group.gather_object(decoder_weight_bytes(model))  # loaded: rank 0 waits for every rank here
+        group.gather_int(decoder_weight_bytes(model))  # loaded: rank 0 waits for every rank here
         with torch.inference_mode():
             while True:
                 msg = group.broadcast_object()

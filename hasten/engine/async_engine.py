@@ -107,6 +107,9 @@ class AsyncLLM:
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, 30)
         self._thread = None
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # the tensor/pipeline-parallel ranks and their process group
+            await asyncio.to_thread(close)
 
     # ------------------------------------------------------------ requests
 

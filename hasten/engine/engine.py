@@ -100,7 +100,8 @@ class LLMEngine:
             # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
             self.model.set_wide_attention_rows(wide_attention_rows(self.model, config))
             del state
-        windows = self.model.windows
+        # every layer's window (under pipeline parallelism rank 0 holds only its stage's layers)
+        windows = [w if 0 < w < self.max_model_len else 0 for w in (cfg.window(i) for i in range(cfg.num_layers))]
         # the C++ kernel reads only the blocks a window reaches (the sdpa path gathers every block)
         early_free = config.free_blocks_outside_window and self.attention_backend == "cpp" and all(w > 0 for w in windows)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, max(windows) if early_free else 0)

@@ -44,17 +44,23 @@ def test_block_influence_finds_the_layer_that_does_nothing(tiny):
         least_influential(scores, 4)
 
 
-@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("gemma2", {"sliding_window": 8})])
-def test_pruned_folder_serves_identically_in_hasten_and_transformers(tmp_path, arch, kwargs):
+@pytest.mark.parametrize("arch,kwargs,drop", [
+    ("llama", {}, [0, 2]),
+    ("gemma2", {"sliding_window": 8}, [0, 2]),  # layer_types sliced
+    ("qwen3_moe", {"config_overrides": {"decoder_sparse_step": 2}}, [1]),  # dense 0, 2 and MoE 3 kept
+])
+def test_pruned_folder_serves_identically_in_hasten_and_transformers(tmp_path, arch, kwargs, drop):
     src = make_tiny_model(tmp_path / "src", arch=arch, num_layers=4, **kwargs)
-    student = remove_layers(_load(str(src)), [0, 2])
+    student = remove_layers(_load(str(src)), drop)
+    kinds = [type(layer.mlp).__name__ for layer in student.model.layers]
     out = tmp_path / "student"
     student.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
     reloaded = _load(str(out))
-    assert reloaded.config.num_hidden_layers == 2 and len(reloaded.model.layers) == 2
+    assert reloaded.config.num_hidden_layers == 4 - len(drop) and len(reloaded.model.layers) == 4 - len(drop)
+    assert [type(layer.mlp).__name__ for layer in reloaded.model.layers] == kinds  # dense / MoE where they were
     if getattr(reloaded.config, "layer_types", None):
-        assert len(reloaded.config.layer_types) == 2
+        assert len(reloaded.config.layer_types) == 4 - len(drop)
     prompts = _seqs(3, 20, 4)
     want = []
     for p in prompts:

@@ -22,11 +22,11 @@ OPTS = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=64)
 
 def _compare_pipeline(path: str, stages: int, prompts, tensor_parallel_size: int = 1, **options):
     params = SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=2, ignore_eos=True)
-    ref = LLM(path, **OPTS, **options)
+    options = {**OPTS, **options}
+    ref = LLM(path, **options)
     ref_outs = ref.generate(prompts, params, use_tqdm=False)
     total = decoder_weight_bytes(ref.engine.model)
-    with LLM(path, **OPTS, pipeline_parallel_size=stages, tensor_parallel_size=tensor_parallel_size,
-             **options) as pp:
+    with LLM(path, pipeline_parallel_size=stages, tensor_parallel_size=tensor_parallel_size, **options) as pp:
         outs = pp.generate(prompts, params, use_tqdm=False)
         rank_bytes = list(pp.engine.parallel.rank_weight_bytes)
     for a, b in zip(ref_outs, outs, strict=True):
@@ -49,6 +49,15 @@ def test_pipeline_stages_match_one_rank(tiny_models, arch, kwargs, stages):
     assert len(rank_bytes) == stages
     assert 0.9 * total < sum(rank_bytes) < 1.1 * total + (total / 4 if kwargs.get("tie_word_embeddings") else 0)
     assert max(rank_bytes) < 0.8 * total  # no stage holds the model
+
+
+def test_rank0_keeps_the_blocks_later_stages_full_attention_layers_read(tiny_models):
+    """Stage 0 of Gemma 2 over 4 stages holds one sliding-window layer; the later full-attention layers
+    still read every block, so rank 0 must not free blocks behind the window. A pool this small
+    reuses a freed block at once, which would corrupt the others' attention."""
+    path = tiny_models("gemma2", num_layers=4, sliding_window=8)
+    prompts = random_prompts(4, 200, seed=8, min_len=40, max_len=70)
+    _compare_pipeline(path, 4, prompts, num_kv_blocks=12, max_model_len=128, max_num_seqs=4)
 
 
 def test_pipeline_with_quantized_layers_matches_one_rank(tiny_models, tmp_path):

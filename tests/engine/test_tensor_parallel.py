@@ -151,3 +151,25 @@ def test_torchrun_style_launch_rank1_is_a_hasten_serve_worker(tiny_models, monke
     ref = LLM(path, **OPTS).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
+
+
+def test_a_step_that_fails_midway_ends_the_group_instead_of_desynchronising_it(tiny_models, monkeypatch):
+    tp = LLM(tiny_models("llama"), **OPTS, tensor_parallel_size=2)
+    try:
+        model = tp.engine.model
+        real = model.forward
+
+        def fail_after_the_broadcast(*args, **kwargs):
+            raise MemoryError("rank 0 alone")
+
+        monkeypatch.setattr(model, "forward", fail_after_the_broadcast)
+        with pytest.raises(MemoryError):
+            tp.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        monkeypatch.setattr(model, "forward", real)
+        with pytest.raises(TensorParallelError, match="earlier step failed"):
+            tp.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        t0 = time.monotonic()
+        tp.close()
+        assert time.monotonic() - t0 < 15
+    assert all(not p.is_alive() for p in tp.engine.parallel.processes)
