@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from hasten.distributed.group import (
 )
 from hasten.distributed.layers import decoder_weight_bytes
 from hasten.distributed.sharding import ShardPlan, StagePlan
-from hasten.distributed.worker import WorkerSpec, build_rank_model, worker_main
+from hasten.distributed.worker import WorkerSpec, build_rank_model
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
 
@@ -82,16 +83,44 @@ def start_rank0(config: Any, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
     return group, model
 
 
-def spawn_workers(world: int, init_method: str, timeout_s: float, tp_size: int) -> list[Any]:
-    """Start ranks 1..world-1 on this machine (spawned, daemonic: they end with this process)."""
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(1, world):
-        p = ctx.Process(target=worker_main, args=(rank, world, init_method, timeout_s, tp_size),
-                        daemon=True, name=f"hasten-rank{rank}")
-        p.start()
-        procs.append(p)
-    return procs
+class RankProcess:
+    """A local worker rank: a child interpreter running hasten.distributed.rank_main."""
+
+    def __init__(self, rank: int, world: int, init_method: str, timeout_s: float, tp_size: int):
+        self.rank = rank
+        self.popen = subprocess.Popen([sys.executable, "-m", "hasten.distributed.rank_main", str(rank), str(world),
+                                       init_method, str(timeout_s), str(tp_size)])
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+
+def spawn_workers(world: int, init_method: str, timeout_s: float, tp_size: int) -> list[RankProcess]:
+    """Start ranks 1..world-1 on this machine. They end with rank 0: its "stop" message at close, or
+    their next collective failing once its sockets close."""
+    return [RankProcess(rank, world, init_method, timeout_s, tp_size) for rank in range(1, world)]
 
 
 __all__ = ["TensorParallelError", "local_config", "parallel_layout", "start_rank0"]

@@ -173,3 +173,18 @@ def test_a_step_that_fails_midway_ends_the_group_instead_of_desynchronising_it(t
         tp.close()
         assert time.monotonic() - t0 < 15
     assert all(not p.is_alive() for p in tp.engine.parallel.processes)
+
+
+def test_a_plain_script_needs_no_main_guard(tiny_models, tmp_path):
+    """The local ranks are fresh interpreters (hasten.distributed.rank_main), not multiprocessing spawns
+    that would re-import the calling script."""
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from hasten import LLM, SamplingParams\n"
+        f"llm = LLM({tiny_models('llama')!r}, num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2)\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)\n"
+        "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
+        "llm.close()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "TOKENS 3" in run.stdout

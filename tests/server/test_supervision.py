@@ -175,7 +175,7 @@ def test_stalled_engine_is_unhealthy(tiny_model: Path) -> None:
 
 
 def _spawned_ranks(pid: int) -> list[int]:
-    """The tensor-parallel ranks an engine process spawned (multiprocessing children running spawn_main)."""
+    """The tensor-parallel ranks an engine process started (children running hasten.distributed.rank_main)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -183,7 +183,7 @@ def _spawned_ranks(pid: int) -> list[int]:
             cmd = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and b"spawn_main" in cmd:
+        if ppid == pid and b"hasten.distributed.rank_main" in cmd:
             out.append(int(stat.parent.name))
     return out
 
