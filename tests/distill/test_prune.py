@@ -13,7 +13,13 @@ transformers = pytest.importorskip("transformers")
 
 from hasten import LLM, SamplingParams  # noqa: E402
 from hasten.distill import cli  # noqa: E402
-from hasten.distill.prune import block_influence, least_influential, remove_layers  # noqa: E402
+from hasten.distill.prune import (  # noqa: E402
+    block_influence,
+    least_influential,
+    mlp_channel_importance,
+    narrow_mlps,
+    remove_layers,
+)
 from hasten.distill.train import DistillConfig, Distiller  # noqa: E402
 from hasten.testing import make_tiny_model  # noqa: E402
 
@@ -122,17 +128,19 @@ def test_time_budget_stops_with_a_checkpoint(tiny, tmp_path):
 def test_cli_prunes_heals_writes_and_refuses_bad_input(tiny, tmp_path, capsys):
     out = tmp_path / "student"
     args = [tiny, "--layers", "1", "--out", str(out), "--seq-len", "48", "--calib-tokens", "2048",
-            "--heldout-tokens", "480", "--steps", "6", "--eval-every", "3", "--lr", "1e-3"]
+            "--heldout-tokens", "480", "--steps", "6", "--eval-every", "3", "--lr", "1e-3", "--mlp-keep", "0.5"]
     assert cli.main(["prune", *args]) == 0
     report = json.loads((out / "distill.json").read_text())
     assert report["layers_before"] == 4 and len(report["layers_removed"]) == 1 and report["finished"]
+    assert report["mlp_channels"] == {"before": 128, "after": 64}
     assert set(report["heldout_perplexity"]) == {"original", "pruned", "healed"}
     assert _load(str(out)).config.num_hidden_layers == 3
     assert not (out / "distill-checkpoint.pt").exists()
     with pytest.raises(SystemExit) as e:  # a finished student is not overwritten silently
         cli.main(["prune", *args])
     assert e.value.code == 2 and "already holds" in capsys.readouterr().err
-    for bad, message in ((["--layers", "4"], "between 1 and 3"), (["--out", tiny], "own folder")):
+    for bad, message in ((["--layers", "4"], "between 1 and 3"), (["--out", tiny], "own folder"),
+                         (["--mlp-keep", "1.5"], "share of the MLP channels")):
         with pytest.raises(SystemExit):
             cli.main(["prune", *args, "--out", str(tmp_path / "other"), *bad])
         assert message in capsys.readouterr().err
@@ -152,3 +160,34 @@ def test_cli_time_budget_writes_the_student_so_far_and_resumes(tiny, tmp_path):
     assert cli.main(args) == 0  # the same command again: resumed and finished
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 6 and report["finished"] and not (out / "distill-checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # separate gate/up, and Phi-3's fused gate_up
+def test_narrowed_mlps_serve_identically_and_drop_the_idle_channels(tmp_path, arch):
+    src = make_tiny_model(tmp_path / "src", arch=arch, num_layers=3, hidden_size=64)
+    model = _load(str(src))
+    inter = model.config.intermediate_size  # 128
+    importance = mlp_channel_importance(model, _seqs(2, 24, 5))
+    assert len(importance) == 3 and importance[0].shape == (inter,)
+    narrow_mlps(remove_layers(model, [1]), [importance[0], importance[2]], 96)
+    out = tmp_path / "student"
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
+    reloaded = _load(str(out))
+    assert reloaded.config.intermediate_size == 96
+    prompts = _seqs(2, 16, 6)
+    want = [reloaded.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    got = LLM(str(out), num_kv_blocks=64, max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    # a channel whose down-projection column is zero changes nothing: the first to go
+    fresh = _load(str(src))
+    fresh.model.layers[0].mlp.down_proj.weight.data[:, 7] = 0.0
+    up = fresh.model.layers[0].mlp
+    if hasattr(up, "up_proj"):
+        up.up_proj.weight.data[7] = 0.0
+    else:
+        up.gate_up_proj.weight.data[inter + 7] = 0.0
+    imp = mlp_channel_importance(fresh, _seqs(2, 24, 5))[0]
+    assert int(imp.argmin()) == 7
