@@ -30,6 +30,7 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 def measure(model: str | None, tokens: int, repeats: int, **options) -> dict[str, float]:
     from hasten import LLM, SamplingParams
+    from hasten.distributed.layers import decoder_weight_bytes
 
     llm = LLM(model, max_model_len=1024, kv_cache_memory_gb=0.5, **options)
     try:
@@ -61,8 +62,7 @@ def measure(model: str | None, tokens: int, repeats: int, **options) -> dict[str
         pre = [run(_prompts(vocab, 1, 256, 50 + r), 1) for r in range(repeats)]
         out["prefill256_ms"] = statistics.median(p[0] for p in pre) * 1e3
         out["prefill256_coll_ms"] = statistics.median(p[2] for p in pre) * 1e3
-        out["weights_mb"] = max(group.rank_weight_bytes) / 1e6 if group else \
-            __import__("hasten.distributed.layers", fromlist=["x"]).decoder_weight_bytes(llm.engine.model) / 1e6
+        out["weights_mb"] = (max(group.rank_weight_bytes) if group else decoder_weight_bytes(llm.engine.model)) / 1e6
         return out
     finally:
         llm.close()

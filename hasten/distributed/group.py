@@ -118,10 +118,7 @@ class ParallelGroup:
         return box[0]
 
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
-        try:
-            return dist.isend(t, dst, tag=tag)
-        except RuntimeError as exc:
-            raise TensorParallelError(f"rank {self.rank}: {self.describe_failure(exc)}") from exc
+        return self._guard(dist.isend, t, dst, tag=tag)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
         self._timed(dist.recv, t, src, tag=tag)
@@ -142,9 +139,9 @@ class ParallelGroup:
         self.collective_s += time.perf_counter() - t0
         self.collective_calls += 1
 
-    def _guard(self, fn, *args, **kwargs) -> None:
+    def _guard(self, fn, *args, **kwargs) -> Any:
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except RuntimeError as exc:
             raise TensorParallelError(f"rank {self.rank}: {self.describe_failure(exc)}") from exc
 

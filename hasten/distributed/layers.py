@@ -69,7 +69,7 @@ class ShardQuantFactory:
 
     def __call__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLayer:
         from hasten.model.linear import DenseLinear
-        from hasten.quant.formats import Int8Weight, pick_group_size, quantize_int4, quantize_int8
+        from hasten.quant.formats import int8_scales, pick_group_size, quantize_int4, quantize_int8
         from hasten.quant.kernels import make_layer
 
         o = self.opts
@@ -77,12 +77,10 @@ class ShardQuantFactory:
             return DenseLinear(weight, bias)
         source = row_parallel_source(name)
         if o.mode == "int8":
-            qw = quantize_int8(weight)
-            if source is not None and self.world > 1:  # the full rows' scales (one layer read transiently)
-                full = self.state.full(source).to(weight.dtype).float()  # as the one-rank layer sees it
-                scales = (full.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-                q = torch.round(weight.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-                qw = Int8Weight(q.contiguous(), scales.contiguous(), None)
+            scales = None
+            if source is not None and self.world > 1:  # the full rows' scales (one layer read transiently,
+                scales = int8_scales(self.state.full(source).to(weight.dtype))  # as the one-rank layer sees it)
+            qw = quantize_int8(weight, scales=scales)
         else:
             full_k = weight.shape[1] * (self.world if source is not None else 1)
             group = pick_group_size(full_k, o.group_size)  # the single-rank layer's group
@@ -129,13 +127,7 @@ class ParallelDecoder(Decoder):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.lm_head(hidden).float()
-        out = self.group.all_gather_cols(local, self.plan.vocab_step, self.plan.cfg.vocab_size)
-        cfg = self.cfg
-        if cfg.logits_divisor != 1.0:
-            out = out / cfg.logits_divisor
-        if cfg.final_softcap:
-            out = torch.tanh(out / cfg.final_softcap) * cfg.final_softcap
-        return out
+        return self._finish_logits(self.group.all_gather_cols(local, self.plan.vocab_step, self.plan.cfg.vocab_size))
 
 
 def decoder_weight_bytes(model: Decoder) -> int:

@@ -101,7 +101,7 @@ class LLMEngine:
             self.model.set_wide_attention_rows(wide_attention_rows(self.model, config))
             del state
         # every layer's window (under pipeline parallelism rank 0 holds only its stage's layers)
-        windows = [w if 0 < w < self.max_model_len else 0 for w in (cfg.window(i) for i in range(cfg.num_layers))]
+        windows = cfg.windows_within(self.max_model_len)
         # the C++ kernel reads only the blocks a window reaches (the sdpa path gathers every block)
         early_free = config.free_blocks_outside_window and self.attention_backend == "cpp" and all(w > 0 for w in windows)
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, max(windows) if early_free else 0)

@@ -161,6 +161,10 @@ class ModelConfig:
         """Layer `layer`'s sliding window (0: the layer attends to every earlier key)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    def windows_within(self, max_len: int) -> list[int]:
+        """Every layer's window, 0 where it covers max_len anyway (so it changes nothing)."""
+        return [w if 0 < w < max_len else 0 for w in (self.window(i) for i in range(self.num_layers))]
+
     def rope_spec(self, local: bool = False) -> RopeSpec:
         """The RoPE of the global layers, or (local=True, Gemma 3) of the sliding-window layers."""
         rd = self.rotary_dim or self.head_dim

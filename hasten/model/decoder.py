@@ -74,7 +74,7 @@ class Decoder:
         self.layer_ropes = [local if local is not None and cfg.uses_local_rope(i) else self.rope
                             for i in range(cfg.num_layers)]
         # a window that covers max_len changes nothing: 0 keeps the kernel's prefix groups
-        self.windows = [w if 0 < w < max_len else 0 for w in (cfg.window(i) for i in range(cfg.num_layers))]
+        self.windows = cfg.windows_within(max_len)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.softcap = float(cfg.attn_softcap or 0.0)
         # Gemma rounds sqrt(hidden) to the model dtype before multiplying, as transformers does
@@ -242,7 +242,10 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab]: Granite divides them by logits_scaling, Gemma 2 soft-caps them."""
-        out = self.lm_head(hidden).float()
+        return self._finish_logits(self.lm_head(hidden).float())
+
+    def _finish_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Granite's divisor and Gemma 2's soft cap on float32 logits over the whole vocabulary."""
         cfg = self.cfg
         if cfg.logits_divisor != 1.0:
             out = out / cfg.logits_divisor

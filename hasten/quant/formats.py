@@ -107,10 +107,18 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
-    """Per-output-channel symmetric int8: scale = max|w_n| / 127, q in [-127, 127]."""
+def int8_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric int8 scales: max|w_n| / 127."""
+    return (weight.float().abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+
+
+def quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  scales: torch.Tensor | None = None) -> Int8Weight:
+    """Per-output-channel symmetric int8: scale = max|w_n| / 127 (or the given `scales`, e.g. the full
+    rows' of a column slice), q in [-127, 127]."""
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+    if scales is None:
+        scales = int8_scales(w)
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scales.contiguous(), bias)
 

@@ -6,14 +6,11 @@ the weights spread over the stages.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from hasten import LLM, SamplingParams  # noqa: E402
-from hasten.distributed.group import TensorParallelError  # noqa: E402
 from hasten.distributed.layers import decoder_weight_bytes  # noqa: E402
 from tests.engine.conftest import random_prompts  # noqa: E402
 
@@ -77,30 +74,6 @@ def test_micro_batches_split_consecutive_sequences_by_tokens():
     assert len(split_batch(ScheduledBatch(requests=["x"], num_new_tokens=[5]), 3)) == 1
     decode = ScheduledBatch(requests=list("abcd"), num_new_tokens=[1, 1, 1, 1])
     assert [p.requests for p in split_batch(decode, 2)] == [["a", "b"], ["c", "d"]]
-
-
-def test_a_dying_stage_fails_the_engine_fast(tiny_models):
-    pp = LLM(tiny_models("llama"), **OPTS, pipeline_parallel_size=2)
-    try:
-        proc = pp.engine.parallel.processes[0]
-        proc.kill()
-        proc.join(5)
-        t0 = time.monotonic()
-        with pytest.raises(TensorParallelError, match="rank 1 exited"):
-            pp.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
-        assert time.monotonic() - t0 < 20
-    finally:
-        pp.close()
-
-
-def test_tensor_parallel_stages_2x2_match_one_rank(tiny_models):
-    """TP x PP = 2 x 2: four ranks, each stage's layers split over two of them (slow on 2 cores, but exact)."""
-    path = tiny_models("llama", num_layers=4, num_heads=4, num_kv_heads=2)
-    total, rank_bytes = _compare_pipeline(path, 2, random_prompts(4, 200, seed=21, min_len=3, max_len=60),
-                                          tensor_parallel_size=2)
-    assert len(rank_bytes) == 4
-    for b in rank_bytes:  # a quarter of the layers' weights plus half of the embedding or lm_head each
-        assert b < 0.4 * total
 
 
 @pytest.mark.parametrize("options,message", [

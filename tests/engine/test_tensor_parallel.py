@@ -96,9 +96,11 @@ def test_ngram_speculation_and_chunked_prefill_under_tensor_parallelism(tiny_mod
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_a_dying_rank_fails_the_engine_fast_with_a_clear_error(tiny_models):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_a_dying_rank_fails_the_engine_fast_with_a_clear_error(tiny_models, layout):
+    """A killed tensor-parallel rank, or a killed pipeline stage."""
     path = tiny_models("llama")
-    tp = LLM(path, **OPTS, tensor_parallel_size=2)
+    tp = LLM(path, **OPTS, **layout)
     try:
         proc = tp.engine.parallel.processes[0]
         proc.kill()
