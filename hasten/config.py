@@ -9,7 +9,13 @@ from dataclasses import dataclass, fields
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None = the embedded SmolLM2-135M-Instruct
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto (= float32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"  # auto (= float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16 (not on the C++ path)
+    # where the weights, the KV pool and each step's tensors live: cpu | cuda | cuda:N (hasten/runtime)
+    device: str = "cpu"
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory for weights, activations and KV pool
+    cuda_graphs: bool = True  # CUDA: decode steps replayed from CUDA graphs at bucketed batch sizes
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (the same as cuda_graphs=False)
+    cuda_graph_max_batch: int = 256  # CUDA: the largest decode batch with a graph (buckets 1, 2, 4, 8, 16, 24, ...)
     max_model_len: int | None = None  # default: min(model context, 8192)
     # KV cache
     block_size: int = 16
@@ -52,7 +58,9 @@ class EngineConfig:
     quant_bf16_gemm_min_rows: int = 32  # rows of x from which a quantized layer takes the bfloat16 path
     fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)
     native_decoder_loop: bool = True  # float32 + fused ops + cpp attention: the layer loop itself in C++ (bit-identical)
-    attention_backend: str = "auto"  # auto | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
+    # auto (cpp on the CPU, triton on CUDA) | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)
+    # | triton (the GPU path: Triton attention and fused ops; on the CPU only under TRITON_INTERPRET=1)
+    attention_backend: str = "auto"
     attention_prefix_group: int = 8  # cpp: up to N decode sequences read their shared prefix blocks once (<2: off)
     # cpp: a sequence with this many new tokens (a prefill chunk) attends in bfloat16 SDPA over its gathered
     # keys/values: auto = on for quantized models where the CPU has AMX tiles (float32 models stay exact) | on | off

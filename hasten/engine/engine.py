@@ -55,7 +55,10 @@ class LLMEngine:
         self.model_name = config.served_model_name or _model_name(config.model, folder)
         hf_cfg = load_hf_config(folder)
         self.model_config = cfg = ModelConfig.from_hf(hf_cfg)
-        self.dtype = resolve_dtype(config.dtype)
+        from hasten.runtime.device import check_device_options, resolve_device, uses_device_path
+
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         from transformers import AutoTokenizer
@@ -66,44 +69,45 @@ class LLMEngine:
 
         tp, pp = parallel_layout(config)
         world = tp * pp
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.device_path = uses_device_path(self.device, self.attention_backend)
+        check_device_options(config, self.device, self.dtype, self.device_path, world)
         rank_cfg = cfg
         if world > 1:
             from hasten.distributed.launch import local_config
 
             rank_cfg = local_config(cfg, tp, pp)  # each rank's KV pool holds its heads / layers only
         bs = config.block_size
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        else:
-            num_blocks = ModelRunner.blocks_for_memory(rank_cfg, bs, self.kv_dtype, int(config.kv_cache_memory_gb * 2**30))
-        min_blocks = -(-self.max_model_len // bs)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"KV cache of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} sequence "
-                f"(needs {min_blocks}); raise kv_cache_memory_gb or lower max_model_len"
-            )
         self.parallel = None  # the tensor- or pipeline-parallel group (rank 0's handle)
         if world > 1:
             from hasten.distributed.launch import start_rank0
 
+            num_blocks = self._num_blocks(rank_cfg)
             self.parallel, self.model = start_rank0(config, folder, cfg, self.dtype, self.kv_dtype,
                                                     self.max_model_len, num_blocks, self.attention_backend)
             self._finalizer = weakref.finalize(self, self.parallel.close)
         else:
             state = load_state_dict(folder)
+            ops = None
+            if self.attention_backend == "triton" and config.fused_decoder_ops:
+                from hasten.runtime.device import TritonDecoderOps
+
+                ops = TritonDecoderOps()
             self.model = Decoder(
                 cfg, state, self.dtype, self.max_model_len, self._linear_factory(folder),
                 fused_ops=config.fused_decoder_ops, native_loop=config.native_decoder_loop,
-                attention_group=config.attention_prefix_group,
+                attention_group=config.attention_prefix_group, device=self.device, ops=ops,
             )
-            # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
-            self.model.set_wide_attention_rows(wide_attention_rows(self.model, config))
             del state
+            if not self.device_path:
+                # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
+                self.model.set_wide_attention_rows(wide_attention_rows(self.model, config))
+            num_blocks = self._num_blocks(rank_cfg)
         # every layer's window (under pipeline parallelism rank 0 holds only its stage's layers)
         windows = cfg.windows_within(self.max_model_len)
-        # the C++ kernel reads only the blocks a window reaches (the sdpa path gathers every block)
-        early_free = config.free_blocks_outside_window and self.attention_backend == "cpp" and all(w > 0 for w in windows)
+        # the in-place kernels read only the blocks a window reaches (the sdpa path gathers every block)
+        early_free = (config.free_blocks_outside_window and self.attention_backend in ("cpp", "triton")
+                      and all(w > 0 for w in windows))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, max(windows) if early_free else 0)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -122,19 +126,63 @@ class LLMEngine:
                 from hasten.distributed.worker import ParallelModelRunner as runner_cls
             self.runner: ModelRunner = runner_cls(self.model, self.parallel, self.model.cfg, num_blocks, bs,
                                                   self.kv_dtype, self.attention_backend)
+        elif self.device_path:
+            from hasten.runtime.runner import DeviceModelRunner
+
+            graphs = config.cuda_graphs and not config.enforce_eager and self.device.type == "cuda"
+            self.runner = DeviceModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend,
+                                            self.device, self.max_model_len, "capture" if graphs else "off",
+                                            config.cuda_graph_max_batch, config.max_num_seqs)
         else:
             self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
-        self.sampler = Sampler(cfg.vocab_size)
+        if self.device_path:
+            from hasten.runtime.sampler import DeviceSampler
+
+            self.sampler: Sampler = DeviceSampler(cfg.vocab_size, self.device)
+        else:
+            self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
         self.proposer = self._make_proposer()
         self.spec_stats = SpecStats()
         self.depth = DepthController(config.num_speculative_tokens, config.speculative_adaptive)
         self.groups: dict[str, _Group] = {}
         self.seq_to_group: dict[str, _Group] = {}
+        capture = getattr(self.runner, "capture_graphs", None)
+        if capture is not None:
+            capture()  # CUDA graphs are captured before the server reports ready
         self.load_time = time.time() - t0
-        logger.info("loaded %s (%s) in %.2fs: %d KV blocks of %d tokens", self.model_name, self.dtype, self.load_time, num_blocks, bs)
+        logger.info("loaded %s (%s on %s, %s attention) in %.2fs: %d KV blocks of %d tokens = %d tokens",
+                    self.model_name, self.dtype, self.device, self.attention_backend, self.load_time, num_blocks, bs,
+                    num_blocks * bs)
+
+    def _num_blocks(self, rank_cfg: ModelConfig) -> int:
+        """The KV pool's blocks: num_kv_blocks if given; on CUDA what the memory profile leaves; else
+        kv_cache_memory_gb's worth. Must hold one max_model_len sequence."""
+        config, bs = self.config, self.config.block_size
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            from hasten.runtime.memory import plan_kv_cache
+
+            plan = plan_kv_cache(self.model, rank_cfg, config, self.kv_dtype, self.max_model_len, self.device,
+                                 self.attention_backend)
+            logger.info(plan.describe(bs))
+            num_blocks = plan.num_blocks
+        else:
+            num_blocks = ModelRunner.blocks_for_memory(rank_cfg, bs, self.kv_dtype, int(config.kv_cache_memory_gb * 2**30))
+        min_blocks = -(-self.max_model_len // bs)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"KV cache of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} sequence "
+                f"(needs {min_blocks}); raise kv_cache_memory_gb or lower max_model_len"
+            )
+        return num_blocks
 
     def _linear_factory(self, folder):
+        if self.device_path:
+            from hasten.model.linear import dense_factory
+
+            return dense_factory
         from hasten.quant.factory import engine_linear_factory
 
         return engine_linear_factory(self.config, folder, self.dtype)

@@ -32,6 +32,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor | None  # rows whose logits are sampled
     prompt_spans: list[tuple[int, int]]  # (first row, count) of each prompt-logprobs request, in order
+    graph: tuple[int, int] | None = None  # (bucket, rows): a decode step replayed from a CUDA graph (hasten/runtime)
 
 
 @dataclass
@@ -56,17 +57,20 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         attention_backend: str = "sdpa",
+        device: torch.device | str = "cpu",
     ):
         """dtype: the KV cache's (the model's, or a narrower float16 / bfloat16).
-        attention_backend: "cpp" (kernel reading the block pool in place) or "sdpa" (padded gather)."""
-        if attention_backend not in ("cpp", "sdpa"):
+        attention_backend: "cpp" (kernel reading the block pool in place), "triton" (the same flat
+        layout, read by the Triton kernels) or "sdpa" (padded gather). device: where the pool lives."""
+        if attention_backend not in ("cpp", "sdpa", "triton"):
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.attention_backend = attention_backend
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_layers)]
 
     @staticmethod
     def blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
@@ -127,6 +131,8 @@ class ModelRunner:
             block_tables=torch.tensor(flat, dtype=torch.int32).view(len(ctx), width),
             query_start=torch.tensor(query_start, dtype=torch.long),
             context_lens=torch.tensor(ctx, dtype=torch.long),
+            kernel=self.attention_backend,
+            max_query_len=max(batch.num_new_tokens),
         )
 
     def _padded_metadata(
@@ -185,7 +191,7 @@ class ModelRunner:
 
         starts = [r.num_computed_tokens for r in batch.requests]
         slot_mapping = torch.tensor(slots, dtype=torch.long)
-        if self.attention_backend == "cpp":
+        if self.attention_backend in ("cpp", "triton"):
             meta = self._flat_metadata(batch, starts, slot_mapping)
         else:
             meta = self._padded_metadata(batch, starts, rows, slot_mapping)

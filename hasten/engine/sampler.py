@@ -60,7 +60,28 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-_CHUNK = 256  # tokens per first-level step of Sampler.draw
+_CHUNK = 256  # tokens per first-level step of draw_with_uniforms
+
+
+def draw_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [n, V] given float64 uniforms u [n, 1] in [0, 1) on its device:
+    the first token whose cumulative probability exceeds u * total. Two levels, so only sums are
+    taken over the whole vocabulary: the chunk of 256 tokens holding u (cumulative chunk sums), then
+    the token inside it (chunk sums in float32, cumulative sums in float64). A token of probability
+    0 is never picked. Batched tensor ops only: no value is read back to the host."""
+    n, vocab = probs.shape
+    pad = -vocab % _CHUNK
+    chunks = (F.pad(probs, (0, pad)) if pad else probs).view(n, -1, _CHUNK)
+    sums = chunks.sum(-1).double()
+    ccdf = sums.cumsum(-1)
+    target = u * ccdf[:, -1:]
+    last_chunk = (ccdf < ccdf[:, -1:]).sum(-1, keepdim=True)  # the last chunk with any mass
+    c = torch.minimum(torch.searchsorted(ccdf, target, right=True), last_chunk)
+    inner = chunks[torch.arange(n, device=probs.device), c.squeeze(1)].double().cumsum(-1)
+    last_token = (inner < inner[:, -1:]).sum(-1, keepdim=True)  # the chunk's last token with mass
+    k = torch.minimum(torch.searchsorted(inner, target - (ccdf.gather(1, c) - sums.gather(1, c)), right=True),
+                      last_token)
+    return (c * _CHUNK + k).squeeze(1)
 
 
 class Sampler:
@@ -118,14 +139,11 @@ class Sampler:
         return float(torch.rand((), generator=req.generator or self.generator))
 
     def draw(self, probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """One token per row of `probs` by inverse CDF: a uniform u per row (from the request's own
-        generator when it has a seed, so its draws do not depend on the rest of the batch) picks
-        the first token whose cumulative probability exceeds u * total. One random number per row
-        (an exponential race needs one per vocabulary entry). Two levels, so only sums are taken
-        over the whole vocabulary: the chunk of 256 tokens holding u (cumulative chunk sums), then
-        the token inside it (chunk sums in float32, cumulative sums in float64). A token of
-        probability 0 is never picked."""
-        n, vocab = probs.shape
+        """One token per row of `probs` by inverse CDF (draw_with_uniforms), with a uniform u per row
+        from the request's own generator when it has a seed, so its draws do not depend on the rest
+        of the batch, else from the shared generator. One random number per row (an exponential
+        race needs one per vocabulary entry)."""
+        n = probs.shape[0]
         u = torch.empty(n, 1, dtype=torch.float64)
         unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
         if unseeded:
@@ -133,18 +151,7 @@ class Sampler:
         for j, r in enumerate(reqs):
             if r.generator is not None:
                 u[j] = torch.rand((), generator=r.generator, dtype=torch.float64)
-        pad = -vocab % _CHUNK
-        chunks = (F.pad(probs, (0, pad)) if pad else probs).view(n, -1, _CHUNK)
-        sums = chunks.sum(-1).double()
-        ccdf = sums.cumsum(-1)
-        target = u * ccdf[:, -1:]
-        last_chunk = (ccdf < ccdf[:, -1:]).sum(-1, keepdim=True)  # the last chunk with any mass
-        c = torch.minimum(torch.searchsorted(ccdf, target, right=True), last_chunk)
-        inner = chunks[torch.arange(n), c.squeeze(1)].double().cumsum(-1)
-        last_token = (inner < inner[:, -1:]).sum(-1, keepdim=True)  # the chunk's last token with mass
-        k = torch.minimum(torch.searchsorted(inner, target - (ccdf.gather(1, c) - sums.gather(1, c)), right=True),
-                          last_token)
-        return (c * _CHUNK + k).squeeze(1)
+        return draw_with_uniforms(probs, u.to(probs.device))
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [n, V] float32, one row per request. Returns tokens and (optional) logprobs."""

@@ -44,6 +44,8 @@ class Decoder:
         fused_ops: bool = True,
         native_loop: bool = True,
         attention_group: int = 8,
+        device: torch.device | str = "cpu",
+        ops: Any = None,
     ):
         """Build from a HF-named state dict; `linear_factory` decides how each projection is stored.
 
@@ -54,23 +56,29 @@ class Decoder:
         for the models it covers (hasten/model/native_loop.py).
         attention_group: the C++ attention kernel's max_group (decode sequences that share prefix
         blocks read them once; bit-identical; < 2 switches it off).
+        device: where the weights and the RoPE tables live (the step's tensors must be there too).
+        ops: the fused glue to use instead of the C++ ops (the Triton ops of hasten/runtime/device.py);
+        no native loop then.
         """
         self.cfg = cfg
         self.dtype = dtype
-        self.ops = None
-        if fused_ops:
+        self.device = torch.device(device)
+        self.ops = ops
+        if ops is None and fused_ops and self.device.type == "cpu":
             from hasten.kernels import decoder_ops
 
             self.ops = decoder_ops.load()
         make = linear_factory or dense_factory
-        reader = StateReader(state, dtype, cfg.norm_offset)
+        reader = StateReader(state, dtype, cfg.norm_offset, self.device)
         self.embed = reader.take("model.embed_tokens.weight")
         self.final_norm = reader.norm("model.norm.weight")
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in reader else reader.take("lm_head.weight")
         self.lm_head: LinearLayer = make("lm_head", head, None) if quantize_lm_head else dense_factory("lm_head", head, None)
         self.layers: list[LayerWeights] = [load_layer(cfg, reader, i, make) for i in range(cfg.num_layers)]
-        self.rope = RotaryEmbedding(cfg.rope_spec(), max_len, dtype)  # the global layers' (the only one mostly)
-        local = RotaryEmbedding(cfg.rope_spec(local=True), max_len, dtype) if cfg.local_rope_theta is not None else None
+        # the global layers' (the only one mostly)
+        self.rope = RotaryEmbedding(cfg.rope_spec(), max_len, dtype, self.device)
+        local = (RotaryEmbedding(cfg.rope_spec(local=True), max_len, dtype, self.device)
+                 if cfg.local_rope_theta is not None else None)
         self.layer_ropes = [local if local is not None and cfg.uses_local_rope(i) else self.rope
                             for i in range(cfg.num_layers)]
         # a window that covers max_len changes nothing: 0 keeps the kernel's prefix groups
@@ -78,13 +86,13 @@ class Decoder:
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.softcap = float(cfg.attn_softcap or 0.0)
         # Gemma rounds sqrt(hidden) to the model dtype before multiplying, as transformers does
-        self.embed_scale = torch.tensor(cfg.embed_scale).to(dtype) if cfg.embed_scale != 1.0 else None
+        self.embed_scale = torch.tensor(cfg.embed_scale).to(self.device, dtype) if cfg.embed_scale != 1.0 else None
         self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.attention_group = attention_group
         self.wide_attention_rows = 0  # set_wide_attention_rows
         self.returns_residual = False  # a pipeline stage before the last: forward() ends at the residual stream
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
-        if native_loop and self.ops is not None:
+        if native_loop and self.ops is not None and ops is None:
             from hasten.model.native_loop import build_decoder_loop
 
             self.loop = build_decoder_loop(self)

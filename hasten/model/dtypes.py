@@ -15,9 +15,12 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return table[name]
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    table = {"auto": torch.float32, "float32": torch.float32, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The weights' and activations' element type: auto is float32 on the CPU, bfloat16 on a GPU."""
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     if name not in table:
-        raise ValueError(f"unsupported dtype {name!r}: use auto, float32 or bfloat16")
+        raise ValueError(f"unsupported dtype {name!r}: use auto, float32, bfloat16 or float16")
     return table[name]

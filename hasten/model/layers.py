@@ -58,8 +58,9 @@ class AttentionGroup:
 class AttentionMetadata:
     """Where each new token goes in the cache and what it attends to.
 
-    Two layouts, one per attention backend: `groups` for the padded SDPA path, or the flat
-    (block_tables, query_start, context_lens) triple read by the C++ kernel in place.
+    Two layouts: `groups` for the padded SDPA path, or the flat (block_tables, query_start,
+    context_lens) triple read in place by the C++ kernel (kernel="cpp") or the Triton kernels
+    (kernel="triton", hasten/kernels/triton/attention.py).
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
@@ -67,20 +68,33 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (kernel path)
     query_start: torch.Tensor | None = None  # [S + 1] int64: q rows of sequence s are [s] .. [s + 1]
     context_lens: torch.Tensor | None = None  # [S] int64: cached tokens of s, counting its new ones
+    kernel: str = "cpp"  # which kernel reads the flat layout: cpp | triton
+    max_query_len: int = 0  # triton: the most new tokens of any sequence (1: the decode kernel)
+    decode_splits: int = 0  # triton decode: splits along the sequence (0: the kernel's choice)
 
 
-ATTENTION_BACKENDS = ("auto", "cpp", "sdpa")
+ATTENTION_BACKENDS = ("auto", "cpp", "sdpa", "triton")
 
 
-def resolve_attention_backend(name: str) -> str:
-    """"cpp" (the in-place C++ kernel) or "sdpa" (gather + scaled_dot_product_attention).
+def resolve_attention_backend(name: str, device: str | torch.device = "cpu") -> str:
+    """"cpp" (the in-place C++ kernel), "sdpa" (gather + scaled_dot_product_attention) or "triton"
+    (the GPU path's kernels; on the CPU only in Triton's interpreter).
 
-    auto picks cpp when the kernel can be built on this machine; cpp insists on it.
+    auto picks triton on a GPU, else cpp when the kernel can be built on this machine; cpp insists on it.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if name == "triton" or (name == "auto" and not on_cpu):
+        from hasten.kernels import triton as triton_kernels
+
+        if not triton_kernels.usable_on(device):
+            raise RuntimeError(f"attention_backend='triton' cannot run here: {triton_kernels.unusable_reason(device)}")
+        return "triton"
     if name == "sdpa":
         return "sdpa"
+    if not on_cpu:
+        raise ValueError(f"attention_backend='cpp' is the CPU kernel; on {device} use triton or sdpa")
     if cpu_attention.load() is not None:
         return "cpp"
     if name == "cpp":
@@ -93,12 +107,14 @@ def single_sequence_metadata(num_tokens: int, block_size: int, backend: str) -> 
     nblocks = -(-num_tokens // block_size)
     pos = torch.arange(num_tokens)
     tables = torch.arange(nblocks).view(1, nblocks)
-    if backend == "cpp":
+    if backend in ("cpp", "triton"):
         return AttentionMetadata(
             slot_mapping=pos,
             block_tables=tables.to(torch.int32),
             query_start=torch.tensor([0, num_tokens]),
             context_lens=torch.tensor([num_tokens]),
+            kernel=backend,
+            max_query_len=num_tokens,
         )
     lk = nblocks * block_size
     mask = torch.arange(lk).view(1, 1, 1, lk) <= pos.view(1, 1, num_tokens, 1)
@@ -132,6 +148,12 @@ def paged_attention(
     window). softcap > 0: scores x (already scaled) become softcap * tanh(x / softcap). Returns [T, H*D].
     wide_rows > 0 (C++ kernel only): sequences with that many new tokens attend in bfloat16 SDPA.
     """
+    if meta.block_tables is not None and meta.kernel == "triton":
+        from hasten.kernels.triton import attention as triton_attention
+
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                                meta.context_lens, scale, max_query_len=meta.max_query_len,
+                                                window=window, softcap=softcap, num_splits=meta.decode_splits)
     if meta.block_tables is not None:
         return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_start,
                                              meta.context_lens, scale, max_group=max_group, window=window,

@@ -60,7 +60,7 @@ def rope_inv_freq(spec: RopeSpec, max_len: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding:
     """cos/sin tables [max_len, rotary_dim] for every position up to max_len, looked up by position ids."""
 
-    def __init__(self, spec: RopeSpec, max_len: int, dtype: torch.dtype):
+    def __init__(self, spec: RopeSpec, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         inv_freq, attention = rope_inv_freq(spec, max_len)
         self.rotary_dim = spec.rotary_dim
         t = torch.arange(max_len, dtype=torch.float32)
@@ -69,8 +69,8 @@ class RotaryEmbedding:
         cos, sin = emb.cos(), emb.sin()
         if attention != 1.0:  # LongRoPE's attention factor scales q and k through the tables
             cos, sin = cos * attention, sin * attention
-        self.cos = cos.to(dtype)
-        self.sin = sin.to(dtype)
+        self.cos = cos.to(device, dtype)
+        self.sin = sin.to(device, dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

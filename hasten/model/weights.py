@@ -39,10 +39,12 @@ class LayerWeights:
 class StateReader:
     """Takes tensors out of a state dict in the model dtype, contiguous, with clear errors."""
 
-    def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype, norm_offset: float = 0.0):
+    def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype, norm_offset: float = 0.0,
+                 device: torch.device | str = "cpu"):
         self.state = state
         self.dtype = dtype
         self.norm_offset = norm_offset
+        self.device = torch.device(device)
 
     def __contains__(self, name: str) -> bool:
         return name in self.state
@@ -50,7 +52,7 @@ class StateReader:
     def take(self, name: str) -> torch.Tensor:
         if name not in self.state:
             raise KeyError(f"weight {name!r} missing from checkpoint")
-        return self.state[name].to(self.dtype).contiguous()
+        return self.state[name].to(self.device, self.dtype).contiguous()
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.take(name) if name in self.state else None
@@ -61,7 +63,7 @@ class StateReader:
             return self.take(name)
         if name not in self.state:
             raise KeyError(f"weight {name!r} missing from checkpoint")
-        return (self.state[name].float() + self.norm_offset).to(self.dtype).contiguous()
+        return (self.state[name].float() + self.norm_offset).to(self.device, self.dtype).contiguous()
 
     def maybe_norm(self, name: str) -> torch.Tensor | None:
         return self.norm(name) if name in self.state else None

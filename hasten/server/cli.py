@@ -48,6 +48,9 @@ ENGINE_FLAGS = {
     "speculative_adaptive": "speculative_adaptive",
     "quantization": "quantization",
     "attention_backend": "attention_backend",
+    "device": "device",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "enforce_eager": "enforce_eager",
     "enable_prefix_caching": "enable_prefix_caching",
     "enable_chunked_prefill": "enable_chunked_prefill",
     "tensor_parallel_size": "tensor_parallel_size",
@@ -80,8 +83,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose the depth per step from acceptance rates (default on)")
     p.add_argument("--quantization", choices=["int8", "int4", "gguf"], help="weight-only quantization")
-    p.add_argument("--attention-backend", choices=["auto", "cpp", "sdpa"],
-                   help="cpp: C++ kernel reading the paged KV cache in place; sdpa: gather + SDPA (default auto)")
+    p.add_argument("--attention-backend", choices=["auto", "cpp", "sdpa", "triton"],
+                   help="cpp: C++ kernel reading the paged KV cache in place; sdpa: gather + SDPA; triton: the GPU "
+                        "kernels (default auto: cpp on the CPU, triton on CUDA)")
+    p.add_argument("--device", help="cpu (default) | cuda | cuda:N: where weights, KV cache and steps live")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="CUDA: share of the device memory for weights, activations and KV cache (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--tensor-parallel-size", "-tp", type=int,
                    help="split the model over N ranks (torch.distributed; one node spawns them; several nodes: "
                         "torchrun-style MASTER_ADDR / MASTER_PORT / WORLD_SIZE / RANK, docs/deploy.md)")
