@@ -34,14 +34,17 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             row -= p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
-    """Mask (to -inf) tokens outside top-k / nucleus top-p / below min_p * max prob. Batched."""
-    if bool((min_p > 0).any()):
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                            needs: tuple[bool, bool, bool] | None = None):
+    """Mask (to -inf) tokens outside top-k / nucleus top-p / below min_p * max prob. Batched.
+    needs: whether any row uses (min_p, top_k, top_p), when the caller already knows (the device sampler
+    decides on the host, so nothing waits for the device); None: read from the tensors."""
+    need_min_p, need_k, need_p = needs if needs is not None else (
+        bool((min_p > 0).any()), bool((top_k > 0).any()), bool((top_p < 1.0).any()))
+    if need_min_p:
         probs = logits.softmax(-1)
         thresh = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1.0).any())
     if not (need_k or need_p):
         return logits
     sorted_logits, order = logits.sort(-1, descending=True)

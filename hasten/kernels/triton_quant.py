@@ -23,16 +23,7 @@ import functools
 
 import torch
 
-
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports here (on a CPU it can only run in interpreter mode)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return False
-    return True
+from hasten.kernels.triton import available  # noqa: F401 - whether Triton imports here
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from hasten.engine.request import Request
-from hasten.engine.sampler import Sampler, draw_with_uniforms
+from hasten.engine.sampler import Sampler, apply_top_k_top_p_min_p, draw_with_uniforms
 from hasten.kernels import triton as triton_kernels
 from hasten.outputs import TokenLogprobs
 
@@ -220,26 +220,9 @@ class DeviceSampler(Sampler):
         prm, host = b["probs"], b.host["probs"]
         logits = logits / prm[:, _TEMP].to(dt).unsqueeze(1)
         top_k, top_p, min_p = prm[:, _TOP_K].long(), prm[:, _TOP_P].to(dt), prm[:, _MIN_P].to(dt)
-        if bool((host[:, _MIN_P].to(dt) > 0).any()):
-            probs = logits.softmax(-1)
-            thresh = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
-            logits = logits.masked_fill(probs < thresh, float("-inf"))
-        need_k = bool((host[:, _TOP_K] > 0).any())
-        need_p = bool((host[:, _TOP_P].to(dt) < 1.0).any())
-        if need_k or need_p:
-            sorted_logits, order = logits.sort(-1, descending=True)
-            vocab = logits.shape[1]
-            if need_k:
-                k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-                kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-                sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-            if need_p:
-                probs = sorted_logits.softmax(-1)
-                cum = probs.cumsum(-1)
-                drop = (cum - probs) >= top_p.unsqueeze(1)  # the tokens before it already reach top_p
-                drop[:, 0] = False
-                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        needs = (bool((host[:, _MIN_P].to(dt) > 0).any()), bool((host[:, _TOP_K] > 0).any()),
+                 bool((host[:, _TOP_P].to(dt) < 1.0).any()))
+        logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, needs)
         return logits.softmax(-1)
 
     @staticmethod

@@ -33,9 +33,9 @@ Prefill, chunked prefill, mixed batches, speculative verify (max_query_len > 1):
 the G heads of one kv head and loops over keys from the window start of its first row to the
 position of its last row, masking by absolute positions.
 
-Both key loops share one tile step (_attend_tile). On a GPU they are `range` loops the compiler can
-pipeline; under the interpreter (TRITON_INTERPRET=1) they run as `while` loops, because the
-interpreter cannot take loaded values as range() bounds.
+Both kernels walk their keys with one loop (_attend_span over _attend_tile). On a GPU it is a
+`range` loop the compiler can pipeline; under the interpreter (TRITON_INTERPRET=1) a `while` loop,
+because the interpreter cannot take loaded values as range() bounds.
 """
 
 from __future__ import annotations
@@ -46,14 +46,15 @@ import torch
 
 from hasten.kernels.triton import interpreting
 
-# The jit helper both attention kernels call, defined by _kernels(). It is a module global because
+# The jit helpers both attention kernels call, defined by _kernels(). They are module globals because
 # the interpreter runs kernels against their module's globals (closure variables are not seen).
 _attend_tile = None
+_attend_span = None
 
 
 @functools.cache
 def _kernels():
-    global _attend_tile
+    global _attend_tile, _attend_span
     import triton
     import triton.language as tl
 
@@ -92,6 +93,29 @@ def _kernels():
     _attend_tile = attend_tile
 
     @triton.jit
+    def attend_span(q, m_i, l_i, acc, lo, first, hi, pos, k_ptr, v_ptr, table_ptr,
+                    stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                    LOOP_WHILE: tl.constexpr):
+        """attend_tile over the key tiles starting at lo, lo + BLOCK_N, ... below hi (keys in [first, hi))."""
+        if LOOP_WHILE:  # the interpreter cannot take loaded values as range() bounds
+            start = lo
+            while start < hi:
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, first, hi, pos, k_ptr, v_ptr, table_ptr,
+                                             stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                             D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION)
+                start += BLOCK_N
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, first, hi, pos, k_ptr, v_ptr, table_ptr,
+                                             stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                             D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION)
+        return m_i, l_i, acc
+
+    _attend_span = attend_span
+
+    @triton.jit
     def decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qstart_ptr, ctx_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
                       scale, softcap, window, chunk_tokens,
                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -128,18 +152,9 @@ def _kernels():
         k_base = k_ptr + kh * stride_kh
         v_base = v_ptr + kh * stride_vh
         table = tables_ptr + s * stride_bt
-        if LOOP_WHILE:  # the interpreter cannot take loaded values as range() bounds
-            start = lo
-            while start < hi:
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, first, hi, pos, k_base, v_base, table,
-                                             stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                             D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION)
-                start += BLOCK_N
-        else:
-            for start in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, first, hi, pos, k_base, v_base, table,
-                                             stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                             D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION)
+        m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, lo, first, hi, pos, k_base, v_base, table,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                     D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION, LOOP_WHILE)
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + qs * stride_ot + heads[:, None] * D + offs_d[None, :],
@@ -213,18 +228,9 @@ def _kernels():
         k_base = k_ptr + kh * stride_kh
         v_base = v_ptr + kh * stride_vh
         table = tables_ptr + s * stride_bt
-        if LOOP_WHILE:  # the interpreter cannot take loaded values as range() bounds
-            start = lo
-            while start < hi:
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, lo, hi, pos, k_base, v_base, table,
-                                             stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                             D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION)
-                start += BLOCK_N
-        else:
-            for start in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, lo, hi, pos, k_base, v_base, table,
-                                             stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
-                                             D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION)
+        m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, lo, lo, hi, pos, k_base, v_base, table,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, scale, softcap, window,
+                                     D, BS, BLOCK_N, BLOCK_D, HAS_WINDOW, HAS_SOFTCAP, PRECISION, LOOP_WHILE)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (qs + i)[:, None] * stride_ot + heads[:, None] * D + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
