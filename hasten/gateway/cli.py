@@ -25,12 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     p.add_argument("--nice", type=int, metavar="N",
                    help="override 'nice': the gateway's CPU priority, -20 (highest) .. 19")
+    p.add_argument("--malloc-mmap-threshold-kb", type=int, default=128, metavar="KIB",
+                   help="glibc: allocations from this size up get their own mapping, returned on free "
+                        "(default 128; 0 keeps glibc's threshold, which rises after each large free)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.malloc_mmap_threshold_kb < 0:
+        print("hasten gateway: --malloc-mmap-threshold-kb must be >= 0", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
@@ -55,6 +61,7 @@ def main(argv: list[str]) -> int:
         print(f"config OK: {len(cfg.models)} model pool(s), {backends} backend(s), "
               f"{len(cfg.tenants)} tenant(s)")
         return 0
+    fix_mmap_threshold(args.malloc_mmap_threshold_kb)
     if cfg.nice is not None:
         set_nice(cfg.nice)
     if not args.no_uvloop:
@@ -67,6 +74,27 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def fix_mmap_threshold(kib: int) -> bool:
+    """Pin glibc's mmap threshold at ``kib`` KiB. By default glibc raises the threshold to the size
+    of each mmapped block freed (up to 32 MiB), so after the first large request body its
+    successors are carved from the main heap, which fragments and never shrinks: in the soak
+    (docs/benchmarks.md) 1.3 MB bodies kept the gateway's RSS 10-20 MB above its 32 MB. A pinned
+    threshold keeps every large buffer in its own mapping, given back to the system when freed.
+    Returns whether it was set (False off glibc)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if kib <= 0 or name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # <malloc.h>
+    return bool(mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(kib * 1024)))
 
 
 def set_nice(nice: int) -> bool:

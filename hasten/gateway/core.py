@@ -124,7 +124,7 @@ class Gateway:
             raise GatewayError(404, f"the model {model!r} does not exist; available: "
                                     f"{', '.join(sorted(self.pools))}", "invalid_request_error",
                                "model_not_found")
-        ctx.payload = payload
+        ctx.keep_payload(payload)
         ctx.model = model
         ctx.pool = pool
         ctx.stream = bool(payload.get("stream"))

@@ -489,8 +489,8 @@ class Governance:
 
 
 def _set_payload(ctx: RequestContext, payload: dict[str, Any]) -> None:
-    ctx.payload = payload
     ctx.body = json.dumps(payload).encode()
+    ctx.keep_payload(payload)
     ctx.attrs.pop("_bodies", None)
 
 

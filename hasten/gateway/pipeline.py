@@ -15,6 +15,8 @@ import itertools
 import json
 import os
 import time
+
+import orjson
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,17 +88,44 @@ class RequestContext:
     request_id: str
     received_at: float = field(default_factory=time.perf_counter)
     client: str | None = None
-    payload: dict[str, Any] | None = None
+    # the parsed body; for a body of LARGE_BODY_BYTES or more only the JSON text is kept and
+    # ``payload`` parses it again on each use (see :meth:`keep_payload`)
+    _payload: dict[str, Any] | None = field(default=None, repr=False)
     model: str | None = None
     pool: Pool | None = None
     tenant: TenantConfig | None = None
     region: str | None = None
     stream: bool = False
     attrs: dict[str, Any] = field(default_factory=dict)
+    _reparse: bool = field(default=False, repr=False)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
 
+    @property
+    def payload(self) -> dict[str, Any] | None:
+        if self._reparse:
+            return orjson.loads(self.body)  # valid: it parsed to a JSON object once already
+        return self._payload
+
+    @payload.setter
+    def payload(self, value: dict[str, Any] | None) -> None:
+        self._payload, self._reparse = value, False
+
+    def keep_payload(self, payload: dict[str, Any]) -> None:
+        """Hold the parsed body, unless the body is large: then hold only its bytes. A large body
+        parses to up to ~50 bytes of small objects per byte of JSON (a 1.3 MB 100,000-value enum:
+        ~7 MB); held while the request waits on a replica, other requests' long-lived objects
+        settle between them, and once they are freed the allocator's arenas stay pinned half
+        empty: RSS ratchets up with every such request (docs/benchmarks.md, the soak). Parsed
+        and dropped within one synchronous stage, they free whole arenas."""
+        if len(self.body) >= LARGE_BODY_BYTES:
+            self._payload, self._reparse = None, True
+        else:
+            self.payload = payload
+
+
+LARGE_BODY_BYTES = 64 * 1024
 
 Handler = Callable[[RequestContext], Awaitable[GatewayResponse]]
 Middleware = Callable[[RequestContext, Handler], Awaitable[GatewayResponse]]

@@ -202,7 +202,8 @@ class Proxy:
             inp, candidates = cached
             now = time.monotonic()
             return inp, [b for b in candidates if b.available(now)]
-        inp = pool.route_input(ctx.payload, ctx.header(pool.config.session_header), ctx.region, self._salt(ctx))
+        payload = ctx.payload if pool.reads_prompt else None
+        inp = pool.route_input(payload, ctx.header(pool.config.session_header), ctx.region, self._salt(ctx))
         return inp, pool.candidates(inp)
 
     def _salt(self, ctx: RequestContext) -> str | None:
@@ -224,23 +225,24 @@ class Proxy:
             self._tracer.inject(span, extra)
             parts.extend(f"{k}: {v}\r\n" for k, v in extra.items())
         body = ctx.body
-        payload = ctx.payload
-        if payload is not None:
-            target = cfg.backend_model or pool.config.backend_model
-            model = target if target and payload.get("model") != target else None
-            salt = self._salt(ctx)
-            if salt is not None and payload.get("cache_salt") == salt:
-                salt = None
-            if model is not None or salt is not None:
-                cache = ctx.attrs.setdefault("_bodies", {})  # per upstream model name
-                body = cache.get(target)
-                if body is None:
-                    new = dict(payload)
-                    if model is not None:
-                        new["model"] = model
-                    if salt is not None:
-                        new["cache_salt"] = salt  # the tenant's salt wins over the client's
-                    body = cache[target] = orjson.dumps(new)
+        target = cfg.backend_model or pool.config.backend_model
+        salt = self._salt(ctx)
+        if target or salt is not None:
+            payload = ctx.payload
+            if payload is not None:
+                model = target if target and payload.get("model") != target else None
+                if salt is not None and payload.get("cache_salt") == salt:
+                    salt = None
+                if model is not None or salt is not None:
+                    cache = ctx.attrs.setdefault("_bodies", {})  # per upstream model name
+                    body = cache.get(target)
+                    if body is None:
+                        new = dict(payload)
+                        if model is not None:
+                            new["model"] = model
+                        if salt is not None:
+                            new["cache_salt"] = salt  # the tenant's salt wins over the client's
+                        body = cache[target] = orjson.dumps(new)
         parts.append(f"content-length: {len(body)}\r\n\r\n")
         return "".join(parts).encode("latin-1") + body
 

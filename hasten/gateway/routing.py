@@ -247,9 +247,14 @@ class Pool:
         self.policy = make_policy(cfg, self.backends)
         self.poison = PoisonSet(cfg.retry)  # requests that failed a replica (retry.py)
 
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether routing looks at the prompt (prefix-aware) or only at load and region."""
+        return isinstance(self.policy, PrefixAware)
+
     def route_input(self, payload: dict[str, Any] | None, session: str | None,
                     region: str | None, salt: str | None = None) -> RouteInput:
-        prompt = prompt_text(payload) if payload and isinstance(self.policy, PrefixAware) else None
+        prompt = prompt_text(payload) if payload and self.reads_prompt else None
         return RouteInput(prompt=prompt, session=session, region=region, salt=salt)
 
     def candidates(self, inp: RouteInput, now: float | None = None) -> list[BackendState]:

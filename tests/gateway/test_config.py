@@ -129,3 +129,14 @@ def test_nice_without_permission_warns_and_keeps_running(monkeypatch, caplog) ->
     monkeypatch.setattr(os, "setpriority", refuse)
     assert set_nice(-10) is False
     assert "cannot set nice -10 (Operation not permitted)" in caplog.text
+
+
+def test_the_mmap_threshold_is_pinned_on_glibc() -> None:
+    import platform
+
+    from hasten.gateway.cli import fix_mmap_threshold, main
+
+    assert fix_mmap_threshold(0) is False  # 0: glibc's own rule is kept
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert fix_mmap_threshold(128) is True
+    assert main(["--config", "/nonexistent.yaml", "--malloc-mmap-threshold-kb", "-1"]) == 2

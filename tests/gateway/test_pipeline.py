@@ -81,3 +81,21 @@ def test_middlewares_short_circuit_annotate_and_wrap_streams() -> None:
 
     asyncio.run(run())
 
+
+
+def test_a_large_body_is_kept_as_bytes_and_parsed_again_on_use() -> None:
+    from hasten.gateway.pipeline import LARGE_BODY_BYTES
+
+    small = {"model": "m", "prompt": "hi"}
+    ctx = RequestContext(method="POST", path="/v1/completions", headers={}, body=json.dumps(small).encode(),
+                         request_id="r")
+    ctx.keep_payload(small)
+    assert ctx.payload is small  # held as parsed
+    big = {"model": "m", "prompt": "x" * LARGE_BODY_BYTES}
+    ctx = RequestContext(method="POST", path="/v1/completions", headers={}, body=json.dumps(big).encode(),
+                         request_id="r")
+    ctx.keep_payload(big)
+    first, second = ctx.payload, ctx.payload
+    assert first == second == big and first is not second and first is not big  # parsed per use, not held
+    ctx.payload = {"model": "other"}  # a stage that sets the payload holds it again
+    assert ctx.payload == {"model": "other"}

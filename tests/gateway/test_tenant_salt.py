@@ -120,3 +120,18 @@ def test_config_validation_of_the_secret() -> None:
     assert "cache_salt.secret: must be at least 16 characters" in problems
     assert "cache_salt.enabled: expected true or false" in problems
     assert "cache_salt.other: unknown key" in problems
+
+
+async def test_a_large_body_is_salted_and_forwarded_whole_without_being_held_parsed(backends: Backends) -> None:
+    from hasten.gateway.pipeline import LARGE_BODY_BYTES
+
+    enum = [f"v{i}" for i in range(LARGE_BODY_BYTES // 4)]  # ~8 bytes of JSON each: well over the bound
+    big = chat("hello", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"x": {"enum": enum}}}}})
+    (b,) = await backends("b")
+    async with running_gateway(config(b, cache_salt={"secret": SECRET})) as gw:
+        assert (await post(gw, big, key="ka")).status_code == 200
+        assert (await post(gw, chat("hello"), key="ka")).status_code == 200
+    large, small = b.bodies
+    assert large["cache_salt"] == small["cache_salt"] and isinstance(large["cache_salt"], str)
+    assert large["response_format"]["json_schema"]["schema"]["properties"]["x"]["enum"] == enum
