@@ -15,11 +15,11 @@ import itertools
 import json
 import os
 import time
-
-import orjson
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 if TYPE_CHECKING:
     from hasten.gateway.config import TenantConfig
