@@ -180,9 +180,14 @@ class LLMEngine:
 
     def _linear_factory(self, folder):
         if self.device_path:
-            from hasten.model.linear import dense_factory
+            if not self.config.quantization:
+                from hasten.model.linear import dense_factory
 
-            return dense_factory
+                return dense_factory
+            from hasten.quant.factory import linear_factory_for
+            from hasten.runtime.quant_linear import DeviceQuantLayers
+
+            return linear_factory_for(self.config, folder, DeviceQuantLayers(self.device, self.dtype))
         from hasten.quant.factory import engine_linear_factory
 
         return engine_linear_factory(self.config, folder, self.dtype)

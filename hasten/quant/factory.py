@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,7 +123,10 @@ def expected_layer_names(folder: Path, quantize_lm_head: bool) -> set[str]:
 class QuantizingFactory:
     """LinearFactory for int8 / int4 (RTN or AWQ), backed by a file of quantized weights."""
 
-    def __init__(self, opts: QuantOptions, folder: Path, path: Path | None = None):
+    def __init__(self, opts: QuantOptions, folder: Path, path: Path | None = None,
+                 layer_maker: Callable[[QuantizedWeight], LinearLayer] | None = None):
+        """layer_maker: how a quantized weight becomes a layer (default: the CPU kernels' make_layer;
+        the device path's Triton layers: hasten.runtime.quant_linear.DeviceQuantLayers)."""
         from hasten.quant.store import load_quantized
 
         self.opts = opts
@@ -142,6 +146,7 @@ class QuantizingFactory:
         self._stats = None
         self.awq_alphas: dict[str, float] = {}
         self.layers: dict[str, LinearLayer] = {}
+        self.layer_maker = layer_maker
 
     # -------------------------------------------------------------- quantize
     def _activation_stats(self):
@@ -194,10 +199,13 @@ class QuantizingFactory:
         if qw is not None and tuple(qw.shape) != tuple(weight.shape):
             raise ValueError(f"{self.path}: {name} has shape {qw.shape}, the model has {tuple(weight.shape)}")
         if qw is None:
-            qw = self.quantize(name, weight)
+            qw = self.quantize(name, weight.cpu())  # on the host: the same file for either path
             self.made[name] = qw
             self._maybe_save()
         qw.bias = bias
+        if self.layer_maker is not None:
+            layer = self.layers[name] = self.layer_maker(qw)
+            return layer
         layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel,
                            q8_gemm=self.opts.q8_gemm, bf16_gemm=self.opts.bf16_gemm,
                            bf16_gemm_min_rows=self.opts.bf16_gemm_min_rows)
@@ -228,8 +236,10 @@ def engine_linear_factory(config, model_folder: Path, dtype: torch.dtype) -> Lin
     return linear_factory_for(config, model_folder)
 
 
-def linear_factory_for(config, model_folder: Path) -> LinearFactory:
-    """The engine's hook: a LinearFactory for `config.quantization` (int8 | int4 | gguf)."""
+def linear_factory_for(config, model_folder: Path,
+                       layer_maker: Callable[[QuantizedWeight], LinearLayer] | None = None) -> LinearFactory:
+    """The engine's hook: a LinearFactory for `config.quantization` (int8 | int4 | gguf); layer_maker:
+    see QuantizingFactory."""
     opts = QuantOptions.from_config(config)
     folder = Path(model_folder)
     if opts.mode == "gguf":
@@ -237,5 +247,5 @@ def linear_factory_for(config, model_folder: Path) -> LinearFactory:
 
         return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
                                  opts.int8_kernel, opts.q8_gemm, bf16_gemm=opts.bf16_gemm,
-                                 bf16_gemm_min_rows=opts.bf16_gemm_min_rows)
-    return QuantizingFactory(opts, folder)
+                                 bf16_gemm_min_rows=opts.bf16_gemm_min_rows, layer_maker=layer_maker)
+    return QuantizingFactory(opts, folder, layer_maker=layer_maker)

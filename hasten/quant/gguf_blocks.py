@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +144,8 @@ class GGUFLinearFactory:
     def __init__(
         self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto",
         int8_kernel: str = "auto", q8_gemm: bool = True, q8_0: str = "grouped", bf16_gemm: str = "off",
-        bf16_gemm_min_rows: int = 32,
+        bf16_gemm_min_rows: int = 32, layer_maker: Callable[[QuantizedWeight | GroupedInt8Weight], LinearLayer]
+        | None = None,
     ):
         """q8_0: "grouped" serves Q8_0 blocks as they are (a scale per 32 weights); "row" re-scales
         them per output row for the per-channel int8 kernel (one rounding, a little less memory).
@@ -167,6 +169,7 @@ class GGUFLinearFactory:
         self.q8_0 = q8_0
         self.quantize_lm_head = quantize_lm_head
         self.report: dict[str, str] = {}  # layer name -> how it was served
+        self.layer_maker = layer_maker  # see QuantizingFactory
 
     def gguf_names(self, name: str) -> list[tuple[str, int | None]]:
         """The GGUF tensors (and expert index, for stacked experts) one projection's rows come from."""
@@ -227,6 +230,8 @@ class GGUFLinearFactory:
         if tuple(qw.shape) != tuple(weight.shape):
             raise ValueError(f"{name}: GGUF blocks give {qw.shape}, the model expects {tuple(weight.shape)}")
         qw.bias = bias
+        if self.layer_maker is not None:
+            return self.layer_maker(qw)
         return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel, INT4_AUTO_GGUF, self.q8_gemm,
                           INT8_AUTO_GGUF, self.bf16_gemm, self.bf16_gemm_min_rows)
 

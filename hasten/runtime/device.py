@@ -44,9 +44,6 @@ def check_device_options(config, device: torch.device, dtype: torch.dtype, devic
     if world > 1:
         raise ValueError("tensor and pipeline parallelism run on the CPU path only (device=cpu with cpp or sdpa "
                          "attention)")
-    if config.quantization:
-        raise ValueError(f"quantization={config.quantization!r} runs on the CPU path only; on {device} serve the "
-                         "float weights (dtype bfloat16 or float16)")
     if not 0.0 < config.gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
 

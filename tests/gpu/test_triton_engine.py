@@ -150,8 +150,6 @@ def test_device_options_are_checked_at_start(models, monkeypatch):
             LLM(path, device="cuda", num_kv_blocks=64)
     with pytest.raises(ValueError, match="unsupported device"):
         LLM(path, device="mps", num_kv_blocks=64)
-    with pytest.raises(ValueError, match="quantization"):
-        LLM(path, attention_backend="triton", quantization="int8", num_kv_blocks=64)
     with pytest.raises(ValueError, match="float16 runs on the device path only"):
         LLM(path, dtype="float16", attention_backend="sdpa", num_kv_blocks=64)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
