@@ -223,15 +223,20 @@ def load_gguf_tokenizer(path: Path):
 
 
 def convert_gguf_into(path: Path, out: Path) -> Path:
-    """Dequantize `path` into the HF folder `out` (written beside it first, then renamed into place)."""
+    """Dequantize `path` into the HF folder `out`: written into a folder of this process's own beside
+    it, then renamed into place. Processes converting the same file at once (replicas starting on a
+    fresh machine) each write their own copy; the first rename wins and the others drop theirs, so
+    no process ever sees a folder another one is still writing or removing."""
+    import tempfile
+
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     logger.info("converting %s into %s (once)", path, out)
     reader = GGUFReader(str(path))
     cfg = gguf_to_hf_config(reader)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _SKIPPED:
@@ -246,7 +251,15 @@ def convert_gguf_into(path: Path, out: Path) -> Path:
     tok.save_pretrained(str(tmp))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     (tmp / "hasten_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        shutil.rmtree(tmp)  # another process finished first: its folder stays
+        return out
+    if out.exists():  # a partial folder left by an older layout or a killed run
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process renamed its copy into place between the check and here
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists():
+            raise
     return out

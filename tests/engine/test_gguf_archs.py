@@ -158,3 +158,25 @@ def test_quantized_gguf_served_from_its_blocks(tmp_path, name, kind):
             err = max(abs(a.prompt_logprobs[i][p[i]] - b.prompt_logprobs[i][p[i]]) for i in range(1, len(p)))
             assert err < tol, (kernels, err)
         del quant
+
+
+def _convert_in_process(args: tuple[str, str]) -> str:
+    from hasten.model.gguf_convert import convert_gguf_into
+
+    src, out = args
+    return str(convert_gguf_into(Path(src), Path(out)))
+
+
+def test_processes_converting_one_file_at_once_all_get_the_whole_folder(tmp_path):
+    """Replicas starting together on a fresh machine convert the same GGUF at the same moment: each
+    must end with the complete folder (once, one process removed the folder another was loading)."""
+    import multiprocessing as mp
+
+    out = tmp_path / "cache" / "llama-converted"
+    with mp.get_context("spawn").Pool(3) as pool:
+        got = pool.map(_convert_in_process, [(str(FIXTURES / "llama.gguf"), str(out))] * 3)
+    assert got == [str(out)] * 3
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["llama-converted"]  # no copy left behind
+    llm = LLM(str(out), num_kv_blocks=32, max_model_len=64)
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids) == 2
