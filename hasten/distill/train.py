@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from hasten.distill.common import CHECKPOINT
 
-CHECKPOINT = "distill-checkpoint.pt"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,22 +78,22 @@ def heldout_kl(student: Any, teacher: Any, sequences: Sequence[Sequence[int]], t
     return total / max(tokens, 1)
 
 
-class Distiller:
-    """Trains `student` toward `teacher` on `train` sequences; `heldout` measures it."""
+class TrainLoop:
+    """The loop every distillation shares: AdamW with warm-up and cosine decay, a seeded order of the
+    training items, a held-out measure every `eval_every` steps, checkpoints and exact resume.
+    Subclasses give `_step(batch)` (one optimizer step, returns the loss) and `evaluate()`."""
 
-    def __init__(self, student: Any, teacher: Any, train: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]],
-                 config: DistillConfig, checkpoint_dir: Path | None = None, signature: dict | None = None):
-        if not train:
+    metric = "heldout"  # the history key of evaluate()'s figure
+
+    def __init__(self, model: Any, items: Sequence[Any], config: DistillConfig, checkpoint_dir: Path | None = None,
+                 signature: dict | None = None):
+        if not items:
             raise ValueError("no training sequences")
-        self.student, self.teacher, self.config = student, teacher, config
-        self.train_seqs, self.heldout = [list(s) for s in train], [list(s) for s in heldout]
+        self.model, self.config, self.items = model, config, items
         self.checkpoint_dir = checkpoint_dir
         self.signature = signature or {}  # what a checkpoint must match to be resumed
-        teacher.eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
         torch.manual_seed(config.seed)
-        params = [p for p in student.parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = DistillState()
@@ -108,13 +108,13 @@ class Distiller:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - c.warmup_steps) / span)))
 
     def _order(self) -> list[int]:
-        """The training sequence of every step: seeded shuffles of the data, concatenated."""
+        """The training item of every step: seeded shuffles of the data, concatenated."""
         c = self.config
         g = torch.Generator().manual_seed(c.seed)
         need = max(1, c.steps * c.batch_size)
         order: list[int] = []
         while len(order) < need:
-            order += torch.randperm(len(self.train_seqs), generator=g).tolist()
+            order += torch.randperm(len(self.items), generator=g).tolist()
         return order[:need]
 
     # ------------------------------------------------------------ checkpoints
@@ -127,7 +127,7 @@ class Distiller:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"student": self.student.state_dict(), "optimizer": self.optimizer.state_dict(),
+        torch.save({"student": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "schedule": self.schedule.state_dict(), "state": asdict(self.state),
                     "rng": torch.get_rng_state(), "signature": self.signature,
                     "config": asdict(self.config)}, tmp)
@@ -144,7 +144,7 @@ class Distiller:
         if ck["signature"] != self.signature or theirs != mine:
             raise ValueError(f"{path} is the checkpoint of a different run (other model, layers or settings): "
                              "pass --restart to discard it, or another --out")
-        self.student.load_state_dict(ck["student"])
+        self.model.load_state_dict(ck["student"])
         self.optimizer.load_state_dict(ck["optimizer"])
         self.schedule.load_state_dict(ck["schedule"])
         self.state = DistillState(**ck["state"])
@@ -153,36 +153,58 @@ class Distiller:
         return True
 
     # ------------------------------------------------------------ the loop
+    def evaluate(self) -> float:
+        raise NotImplementedError
+
+    def _step(self, batch: list[Any]) -> float:
+        raise NotImplementedError
+
     def run(self, progress: Callable[[DistillState, dict[str, float]], None] | None = None) -> DistillState:
         """Train until `steps` or the time budget; returns the state (step reached, history)."""
         c, st = self.config, self.state
         if not st.history:
-            st.history.append({"step": 0, "heldout_kl": heldout_kl(self.student, self.teacher, self.heldout,
-                                                                   c.temperature)})
-        self.student.train()
+            st.history.append({"step": 0, self.metric: self.evaluate()})
+        self.model.train()
         run_start, trained_before = time.monotonic(), st.train_seconds  # the budget is this run's
         while st.step < c.steps:
             if c.max_minutes is not None and time.monotonic() - run_start > 60 * c.max_minutes:
                 logger.info("time budget of %.1f min reached at step %d", c.max_minutes, st.step)
                 break
-            batch = [self.train_seqs[i] for i in self.order[st.step * c.batch_size : (st.step + 1) * c.batch_size]]
+            batch = [self.items[i] for i in self.order[st.step * c.batch_size : (st.step + 1) * c.batch_size]]
             loss = self._step(batch)
             st.step += 1
             st.train_seconds = trained_before + time.monotonic() - run_start
             record = {"step": st.step, "loss": loss}
             if st.step % c.eval_every == 0 or st.step == c.steps:
-                record["heldout_kl"] = heldout_kl(self.student, self.teacher, self.heldout, c.temperature)
+                record[self.metric] = self.evaluate()
             st.history.append(record)
             if progress is not None:
                 progress(st, record)
             if st.step % c.checkpoint_every == 0:
                 self.save_checkpoint()
-        if "heldout_kl" not in st.history[-1]:
-            st.history.append({"step": st.step, "heldout_kl": heldout_kl(self.student, self.teacher, self.heldout,
-                                                                         c.temperature)})
+        if self.metric not in st.history[-1]:
+            st.history.append({"step": st.step, self.metric: self.evaluate()})
         self.save_checkpoint()
-        self.student.eval()
+        self.model.eval()
         return st
+
+
+class Distiller(TrainLoop):
+    """Trains `student` toward `teacher` on `train` sequences; `heldout` measures it."""
+
+    metric = "heldout_kl"
+
+    def __init__(self, student: Any, teacher: Any, train: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]],
+                 config: DistillConfig, checkpoint_dir: Path | None = None, signature: dict | None = None):
+        self.student, self.teacher = student, teacher
+        self.heldout = [list(s) for s in heldout]
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        super().__init__(student, [list(s) for s in train], config, checkpoint_dir, signature)
+
+    def evaluate(self) -> float:
+        return heldout_kl(self.student, self.teacher, self.heldout, self.config.temperature)
 
     def _step(self, batch: list[list[int]]) -> float:
         """One optimizer step over `batch` (sequences of any lengths, one forward each)."""

@@ -143,6 +143,8 @@ class LLMEngine:
             self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
         self.proposer = self._make_proposer()
+        self.hidden_observers = [self.proposer] if getattr(self.proposer, "wants_hidden", False) else []
+        self.runner.keep_hidden = bool(self.hidden_observers)
         self.spec_stats = SpecStats()
         self.depth = DepthController(config.num_speculative_tokens, config.speculative_adaptive)
         self.groups: dict[str, _Group] = {}
@@ -202,7 +204,11 @@ class LLMEngine:
             from hasten.engine.spec.draft import DraftModelProposer
 
             return DraftModelProposer(spec.split(":", 1)[1], self, self.config.speculative_draft_quantization)
-        raise ValueError(f"unknown speculative method {spec!r}: use 'ngram' or 'draft:<model path>'")
+        if spec.startswith("eagle:"):
+            from hasten.engine.spec.eagle import EagleProposer
+
+            return EagleProposer(spec.split(":", 1)[1], self)
+        raise ValueError(f"unknown speculative method {spec!r}: use 'ngram', 'draft:<model path>' or 'eagle:<folder>'")
 
     # ------------------------------------------------------------ requests in
 
@@ -290,6 +296,8 @@ class LLMEngine:
             return self._collect_outputs(set())
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
+        if self.runner.keep_hidden:
+            self._observe(batch)
         now = time.time()
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             # draft tokens count as computed only once verified
@@ -394,6 +402,26 @@ class LLMEngine:
         req.num_computed_tokens += accepted  # the accepted drafts' K/V are already in the cache
         self.kv.cache_computed_blocks(req)
         self.kv.trim(req, req.num_tokens)
+
+    def add_hidden_observer(self, observer) -> None:
+        """After every step, observer.observe(batch, hidden): the final hidden state of each token the
+        step computed, in batch order, before num_computed_tokens moves on (an EAGLE proposer drafts
+        from them; `hasten distill draft` records them)."""
+        self.hidden_observers.append(observer)
+        self.runner.keep_hidden = True
+
+    def _observe(self, batch) -> None:
+        """Hand the step's final hidden states to the observers. A failure there costs that observer
+        its state for these requests (speculation starts over), never a request."""
+        for observer in self.hidden_observers:
+            try:
+                observer.observe(batch, self.runner.last_hidden)
+            except Exception:
+                logger.exception("%s could not take the step's hidden states; its state is reset",
+                                 type(observer).__name__)
+                for req in batch.requests:
+                    observer.release(req.request_id)
+        self.runner.last_hidden = None
 
     def _propose(self) -> None:
         """Attach draft tokens to decoding requests for the next step."""

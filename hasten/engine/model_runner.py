@@ -65,6 +65,8 @@ class ModelRunner:
         if attention_backend not in ("cpp", "sdpa", "triton"):
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.attention_backend = attention_backend
+        self.keep_hidden = False  # keep each step's final hidden states in last_hidden (an EAGLE draft reads them)
+        self.last_hidden: torch.Tensor | None = None
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -204,5 +206,7 @@ class ModelRunner:
         """The decoder over one step's tensors: (logits of the sampled rows, logits of each prompt-logprobs span).
         A tensor-parallel runner first hands `step` to its other ranks, which run this same function."""
         hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         logits = self.model.logits(hidden[step.sample_rows]) if step.sample_rows is not None else None
         return logits, [self.model.logits(hidden[first : first + count]) for first, count in step.prompt_spans]
