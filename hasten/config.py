@@ -34,7 +34,8 @@ class EngineConfig:
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
     # speculative decoding
     speculative: str | None = None  # None | "ngram" | "draft:<model path>" | "eagle:<head folder>" (hasten distill draft)
-    speculative_draft_quantization: str | None = None  # quantize the draft model (e.g. "int4")
+    # quantize the draft model (e.g. "int4"); an EAGLE head: int8 unless "none"
+    speculative_draft_quantization: str | None = None
     num_speculative_tokens: int = 4  # the most draft tokens verified per request per step
     speculative_adaptive: bool = True  # pick the depth per step from acceptance rates and step costs
     ngram_min: int = 1

@@ -100,7 +100,7 @@ class EagleHead(nn.Module):
             size = max(need, 4096, 2 * (self._rope.cos.shape[0] if self._rope is not None else 0))
             self._rope = RotaryEmbedding(self.cfg.rope_spec(), size, torch.float32)
         cos, sin = self._rope.lookup(positions)
-        dtype = self.fc.weight.dtype
+        dtype = self.input_norm.dtype
         return cos.to(dtype), sin.to(dtype)
 
     def qkv(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
@@ -170,6 +170,20 @@ class EagleHead(nn.Module):
         head.to(dtype)
         head.token_map = head.token_map.long()
         return head.eval()
+
+    LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+    def quantize_int8(self) -> None:
+        """Serve the head's linear layers through hasten's int8 kernels (per-channel weights, a quarter
+        of the bytes a draft token reads). Inference only: the head cannot be trained afterwards."""
+        from hasten.quant.formats import quantize_int8
+        from hasten.quant.kernels import make_layer
+
+        for name in self.LINEARS:
+            layer = getattr(self, name)
+            if isinstance(layer, nn.Linear):
+                del self._modules[name]
+                object.__setattr__(self, name, make_layer(quantize_int8(layer.weight.detach())))
 
     def check_target(self, cfg: Any, fingerprint: str) -> None:
         """Raise ValueError unless the head fits the target (hasten ModelConfig `cfg`, tokenizer fingerprint)."""

@@ -95,11 +95,15 @@ def _spec_llm(target: str, head: Path, depth: int = 3, **kw) -> LLM:
                num_speculative_tokens=depth, **kw)
 
 
-@pytest.mark.parametrize("which", ["untrained", "trained"])
+@pytest.mark.parametrize("which", ["untrained", "trained", "trained-int8"])
 def test_greedy_identical_batched_and_alone_with_prefix_hits_and_chunks(target, untrained_head, trained_head, which):
     head = untrained_head if which == "untrained" else trained_head
     base = LLM(target, num_kv_blocks=512, max_model_len=1024)
-    spec = _spec_llm(target, head, max_num_batched_tokens=32)  # prompts arrive in chunks
+    quant = "int8" if which.endswith("int8") else "none"
+    spec = _spec_llm(target, head, max_num_batched_tokens=32,  # prompts arrive in chunks
+                     speculative_draft_quantization=quant)
+    if quant == "int8":
+        assert type(spec.engine.proposer.head.lm_head).__name__ == "Int8Linear"
     prompts = _prompts(base.engine.model_config.vocab_size)
     prompts.append(prompts[0][:40] + [5, 6, 7])  # shares a cached prefix with the first
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
@@ -113,12 +117,14 @@ def test_greedy_identical_batched_and_alone_with_prefix_hits_and_chunks(target, 
 
 def test_a_trained_head_is_accepted_far_more_than_an_untrained_one(target, untrained_head, trained_head):
     rates = {}
-    for name, head in (("untrained", untrained_head), ("trained", trained_head)):
-        spec = _spec_llm(target, head, depth=1)  # the first draft: what held-out agreement measures
+    for name, head, quant in (("untrained", untrained_head, "none"), ("trained", trained_head, "none"),
+                              ("trained-int8", trained_head, "int8")):
+        spec = _spec_llm(target, head, depth=1, speculative_draft_quantization=quant)  # the first draft
         spec.generate(_prompts(spec.engine.model_config.vocab_size, n=8, seed=11), GREEDY)  # prompts not trained on
         st = spec.engine.get_stats()
         rates[name] = st.spec_accepted_tokens / st.spec_proposed_tokens
     assert rates["trained"] > max(3 * rates["untrained"], rates["untrained"] + 0.05), rates
+    assert rates["trained-int8"] > 0.8 * rates["trained"], rates  # int8 weights barely change the head
 
 
 def test_sampling_distribution_unchanged_with_a_trained_head(target, trained_head):

@@ -47,6 +47,12 @@ class EagleProposer:
             raise ValueError("speculative='eagle:...' runs on the one-process CPU engine (not with tensor / "
                              "pipeline parallelism or the device path yet)")
         self.head = EagleHead.load(folder, torch.float32)
+        quant = engine.config.speculative_draft_quantization or "int8"  # 7x faster per draft than float32
+        if quant not in ("none", "int8"):
+            raise ValueError(f"an EAGLE head is served in int8 (the default) or float32 "
+                             f"(speculative_draft_quantization='none'), not {quant!r}")
+        if quant == "int8":
+            self.head.quantize_int8()
         self.head.check_target(engine.model_config, tokenizer_fingerprint(engine.tokenizer))
         self.target = engine.model
         self.sampler = engine.sampler
@@ -157,11 +163,43 @@ class EagleProposer:
         return st, ids, feats, lo
 
     # ------------------------------------------------------------ proposing
-    def _full_logits(self, pred: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _plain_greedy(r: Request) -> bool:
+        """Greedy with nothing that changes logits: the head's own argmax is the draft."""
+        p = r.params
+        return (p.greedy and not p.logits_processors and not p.needs_penalties and not p.logit_bias
+                and r.num_output_tokens >= p.min_tokens)
+
+    def _draft_tokens(self, pred: torch.Tensor, active: list[tuple[Request, int]],
+                      rows: dict[str, list[torch.Tensor]]) -> list[int]:
+        """One draft token per active request from the head's predicted features."""
         small = self.head.logits(pred).float()
-        full = torch.full((small.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.head.token_map] = small
-        return full
+        tokens: list[int | None] = [None] * len(active)
+        full_rows = []
+        for i, (r, _) in enumerate(active):
+            if self._plain_greedy(r):
+                tokens[i] = int(self.head.token_map[int(small[i].argmax())])
+            else:
+                full_rows.append(i)
+        if full_rows:
+            full = torch.full((len(full_rows), self.vocab_size), float("-inf"))
+            full[:, self.head.token_map] = small[torch.tensor(full_rows)]
+            views = []
+            for i in full_rows:
+                r = active[i][0]
+                v = Request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids)
+                v.output_token_ids = r.output_token_ids + r.spec_token_ids
+                views.append(v)
+            processed = self.sampler.process(full, views)
+            for j, i in enumerate(full_rows):
+                r = active[i][0]
+                if r.params.greedy:
+                    tokens[i] = int(processed[j].argmax())
+                else:
+                    q = self.sampler.probs(processed[j : j + 1], [views[j]])[0]
+                    rows[r.request_id].append(q)
+                    tokens[i] = int((q / self.sampler.noise_for(r, q.shape).clamp_(min=1e-30)).argmax())
+        return [int(t) for t in tokens]
 
     @torch.inference_mode()
     def propose_batch(self, reqs: list[Request], ks: list[int]) -> None:
@@ -181,20 +219,9 @@ class EagleProposer:
         states = [it[0] for it in items]
         positions = [r.num_computed_tokens for r, _ in active]  # where each request's next entry goes
         while active:
-            views = []
-            for r, _ in active:
-                v = Request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids)
-                v.output_token_ids = r.output_token_ids + r.spec_token_ids
-                views.append(v)
-            processed = self.sampler.process(self._full_logits(pred), views)
             nxt, keep = [], []
-            for i, (r, k) in enumerate(active):
-                if r.params.greedy:
-                    tok = int(processed[i].argmax())
-                else:
-                    q = self.sampler.probs(processed[i : i + 1], [views[i]])[0]
-                    rows[r.request_id].append(q)
-                    tok = int((q / self.sampler.noise_for(r, q.shape).clamp_(min=1e-30)).argmax())
+            for i, tok in enumerate(self._draft_tokens(pred, active, rows)):
+                r, k = active[i]
                 r.spec_token_ids.append(tok)
                 if len(r.spec_token_ids) < k:
                     keep.append(i)

@@ -1,0 +1,127 @@
+"""A trained EAGLE draft (`hasten distill draft`) on the default model, in one run:
+
+  - the training budget: time, tokens, peak RSS, held-out agreement, vocabulary coverage (draft.json);
+  - on held-out ShareGPT chat prompts that training never read (the evaluation split, past the
+    prompts the trainer holds out): acceptance rate and tokens per verification step;
+  - batch-1 decode tokens/s with the trained draft vs no speculation vs n-gram lookup, interleaved
+    over rounds, for each engine setting (float32, the exact default; the GGUF blocks with a float16
+    cache, the fastest); and at batch 16 (adaptive depth), draft vs none.
+
+usage: python benchmarks/distill_draft.py [--out DIR] [--reuse] [--max-minutes 30] [-- draft args...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "float32": {},
+    "gguf": {"quantization": "gguf", "kv_cache_dtype": "float16"},
+}
+
+
+def heldout_prompts(tokenizer, count: int, skip: int) -> list[list[int]]:
+    """Opening user turns of evaluation-split conversations, past the `skip` the trainer holds out."""
+    from hasten.distill.draft import chat_prompts, first_user_turns
+    from hasten.quant.data import EVAL_OFFSET, is_evaluation_text, iter_conversations
+
+    convs = (c for c in iter_conversations(EVAL_OFFSET) if is_evaluation_text(json.dumps(c)))
+    turns = first_user_turns(convs, skip + count)[skip:]
+    return chat_prompts(tokenizer, turns, 512)
+
+
+def decode_tok_s(outs) -> float:
+    """Output tokens after the first over the time after the first token, summed over requests
+    (batch 1: one request at a time)."""
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    seconds = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
+    return tokens / seconds
+
+
+def run_setting(name: str, options: dict, draft: str, prompts: list[list[int]], batch_prompts: list[list[int]],
+                max_tokens: int, rounds: int) -> dict:
+    from hasten import LLM, SamplingParams
+
+    modes = {"none": {}, "ngram": {"speculative": "ngram"}, "eagle": {"speculative": f"eagle:{draft}"}}
+    llms = {m: LLM(None, max_model_len=2048, kv_cache_memory_gb=0.5, **options, **o) for m, o in modes.items()}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for llm in llms.values():  # warm-up (kernels, adaptive depth's cost fit)
+        llm.generate(prompts[:2], params, use_tqdm=False)
+    b1: dict[str, list[float]] = {m: [] for m in modes}
+    b16: dict[str, list[float]] = {"none": [], "eagle": []}
+    stats = {}
+    for _ in range(rounds):
+        for m, llm in llms.items():
+            llm.engine.spec_stats.__init__()
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            b1[m].append(decode_tok_s(outs))
+            st = llm.engine.spec_stats
+            stats[m] = {"acceptance": st.acceptance_rate, "tokens_per_step": st.emitted / st.steps if st.steps else 1.0,
+                        "proposed": st.proposed}
+        for m in b16:
+            t = time.perf_counter()
+            outs = llms[m].generate(batch_prompts, params, use_tqdm=False)
+            b16[m].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+    med = {m: statistics.median(v) for m, v in b1.items()}
+    med16 = {m: statistics.median(v) for m, v in b16.items()}
+    return {"setting": name, "batch1_decode_tok_s": med, "batch1_runs": b1, "batch16_out_tok_s": med16,
+            "batch16_runs": b16, "spec": stats,
+            "eagle_vs_none": med["eagle"] / med["none"], "ngram_vs_none": med["ngram"] / med["none"],
+            "eagle_vs_none_batch16": med16["eagle"] / med16["none"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="/tmp/hasten-eagle-draft")
+    ap.add_argument("--reuse", action="store_true", help="measure an existing --out (no training)")
+    ap.add_argument("--max-minutes", type=float, default=30.0, help="training budget of the draft")
+    ap.add_argument("--prompts", type=int, default=12, help="held-out prompts timed at batch 1")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--settings", default="float32,gguf")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("draft_args", nargs="*", help="more `hasten distill draft` arguments (after --)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if not args.reuse:
+        cmd = [sys.executable, "-m", "hasten.cli", "distill", "draft", "--out", str(out), "--restart",
+               "--max-minutes", str(args.max_minutes), *args.draft_args]
+        print("$", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd).returncode
+        if rc not in (0, 3):
+            sys.exit(f"hasten distill draft failed with exit code {rc}")
+    report = json.loads((out / "draft.json").read_text())
+    print(json.dumps({k: report[k] for k in ("steps", "finished", "train_seconds", "train_tokens", "answer_tokens",
+                                             "draft_vocab", "vocab_coverage", "heldout_top1", "seconds",
+                                             "peak_rss_mb")}))
+
+    from transformers import AutoTokenizer
+
+    from hasten.model.loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    skip = 64  # past the trainer's held-out prompts (it holds out --heldout-prompts, 24 by default)
+    prompts = heldout_prompts(tok, args.prompts + 16, skip)
+    timed, batch = prompts[: args.prompts], prompts[args.prompts : args.prompts + 16]
+    results = [run_setting(s, SETTINGS[s], str(out), timed, batch, args.max_tokens, args.rounds)
+               for s in args.settings.split(",")]
+    print("\n| setting | none tok/s | n-gram tok/s | EAGLE tok/s | EAGLE / none | n-gram / none | acceptance "
+          "| tokens / step | batch 16: EAGLE / none |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        d, sp = r["batch1_decode_tok_s"], r["spec"]["eagle"]
+        print(f"| {r['setting']} | {d['none']:.1f} | {d['ngram']:.1f} | {d['eagle']:.1f} | {r['eagle_vs_none']:.2f}x "
+              f"| {r['ngram_vs_none']:.2f}x | {sp['acceptance']:.3f} | {sp['tokens_per_step']:.2f} "
+              f"| {r['eagle_vs_none_batch16']:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"report": report, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
