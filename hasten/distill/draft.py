@@ -153,6 +153,8 @@ def label_greedy(windows: Sequence[FeatureWindow], lm_head: torch.Tensor) -> Non
 class HeadLoss:
     feature_weight: float = 1.0  # smooth-L1 on the predicted feature
     noise: float = 0.1  # uniform noise of this half-width on the input features (training only)
+    unroll: int = 1  # drafting steps trained (2+: later drafts read the head's own predictions)
+    step_decay: float = 0.8  # weight of step s is step_decay ** (s - 1)
 
 
 class HeadTrainer(TrainLoop):
@@ -174,18 +176,27 @@ class HeadTrainer(TrainLoop):
         if noise and self.loss_cfg.noise > 0:
             u = torch.rand(feat_in.shape)  # the global generator: a checkpoint holds its state
             feat_in = feat_in + (2 * u - 1) * self.loss_cfg.noise
-        return self.embed[w.ids[1:]], feat_in, feats[1:]
+        return self.embed[w.ids[1:]], feat_in, feats
 
-    def losses(self, w: FeatureWindow, noise: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cross-entropy against the target, feature regression, head logits) of one window."""
-        emb, feat_in, target = self._inputs(w, noise)
-        pred = self.head(emb[None], feat_in[None])[0]
-        logq = F.log_softmax(self.head.logits(pred).float(), -1)
-        with torch.no_grad():
-            p = torch.softmax(target @ self.sub_head.T, -1)
-        ce = -(p * logq).sum(-1).mean()
-        reg = F.smooth_l1_loss(pred, target)
-        return ce, reg, logq
+    def losses(self, w: FeatureWindow, noise: bool = False, steps: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cross-entropy against the target, feature regression, step 1's log-probabilities) of one
+        window, summed over `steps` unrolled drafting steps with decaying weights."""
+        emb, feat_in, feats = self._inputs(w, noise)
+        preds = self.head.unrolled(emb, feat_in, steps)
+        ce = reg = torch.zeros(())
+        first = None
+        for s, pred in enumerate(preds, start=1):
+            target = feats[s : s + pred.shape[0]]
+            logq = F.log_softmax(self.head.logits(pred).float(), -1)
+            with torch.no_grad():
+                p = torch.softmax(target @ self.sub_head.T, -1)
+            weight = self.loss_cfg.step_decay ** (s - 1)
+            ce = ce + weight * -(p * logq).sum(-1).mean()
+            reg = reg + weight * F.smooth_l1_loss(pred, target)
+            if first is None:
+                first = logq
+        return ce, reg, first
 
     def _step(self, batch: list[FeatureWindow]) -> float:
         c = self.config
@@ -193,7 +204,7 @@ class HeadTrainer(TrainLoop):
         total = sum(len(w.ids) - 1 for w in batch)
         loss_sum = 0.0
         for w in batch:
-            ce, reg, _ = self.losses(w, noise=True)
+            ce, reg, _ = self.losses(w, noise=True, steps=self.loss_cfg.unroll)
             loss = ce + self.loss_cfg.feature_weight * reg
             (loss * ((len(w.ids) - 1) / total)).backward()
             loss_sum += float(loss.detach()) * (len(w.ids) - 1)

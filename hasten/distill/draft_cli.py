@@ -38,11 +38,13 @@ def add_parser(sub) -> None:
     p.add_argument("--sharegpt-tokens", type=int, default=32768, help="ShareGPT text read as it is, in tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training window")
-    p.add_argument("--draft-vocab", type=int, default=4096, help="the head's output vocabulary (most frequent tokens)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="the head's output vocabulary (most frequent tokens)")
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4, help="windows per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--feature-weight", type=float, default=1.0, help="weight of the feature regression")
+    p.add_argument("--unroll", type=int, default=3,
+                   help="drafting steps trained per position (later ones read the head's own predictions)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an LLM option for answering the prompts (e.g. quantization=gguf); repeatable")
@@ -126,7 +128,7 @@ def draft_main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise fail(str(exc)) from None
     out = check_out(args, folder, REPORT)
-    for name in ("prompts", "heldout_prompts", "answer_tokens", "seq_len", "draft_vocab"):
+    for name in ("prompts", "heldout_prompts", "answer_tokens", "seq_len", "draft_vocab", "unroll"):
         if getattr(args, name) < 1:
             raise fail(f"--{name.replace('_', '-')} must be at least 1")
     if args.threads:
@@ -165,8 +167,10 @@ def draft_main(args: argparse.Namespace) -> int:
     final_norm = teacher.get_decoder().norm.weight
     init_head(head, lm_head, final_norm, token_map, args.seed)
     embed = teacher.get_input_embeddings().weight * cfg.embed_scale
-    signature = {**data_sig, "draft_vocab": args.draft_vocab, "feature_weight": args.feature_weight}
-    trainer = HeadTrainer(head, embed, lm_head, train, heldout, config, HeadLoss(args.feature_weight), out, signature)
+    signature = {**data_sig, "draft_vocab": args.draft_vocab, "feature_weight": args.feature_weight,
+                 "unroll": args.unroll}
+    loss = HeadLoss(feature_weight=args.feature_weight, unroll=args.unroll)
+    trainer = HeadTrainer(head, embed, lm_head, train, heldout, config, loss, out, signature)
     try:
         if trainer.try_resume():
             print(f"resumed from {out / CHECKPOINT} at step {trainer.state.step}")

@@ -139,6 +139,38 @@ class EagleHead(nn.Module):
         o = o.transpose(1, 2).reshape(b * t, c.num_heads * c.head_dim)
         return self.finish(x, o).view(b, t, h)
 
+    def unrolled(self, emb_next: torch.Tensor, feat: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training as drafting runs: emb_next [n, hidden] (embedding of token t+1), feat [n, hidden]
+        (the target's f_t) for positions t = 0..n-1. Step 1 predicts f_{t+1} from the target's
+        features; step s > 1 makes the entry at position t+s-1 from step s-1's prediction and the
+        embedding of token t+s, attending (as the proposer's speculative entries do) to the entries
+        made from the target's features up to position t and to the steps before it at its row.
+        Returns one [n-s+1, hidden] tensor per step: the predicted f_{t+s}."""
+        c = self.cfg
+        n = emb_next.shape[0]
+        gqa = c.num_heads != c.num_kv_heads
+        keys: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
+        preds: list[torch.Tensor] = []
+        cur = feat
+        for s in range(1, steps + 1):
+            m = n - s + 1
+            if m <= 0:
+                break
+            x, q, k, v = self.qkv(emb_next[s - 1 : s - 1 + m], cur[:m], torch.arange(m) + (s - 1))
+            keys.append(k)
+            vals.append(v)
+            kk = torch.cat([keys[0]] + [t[:m] for t in keys[1:]])
+            vv = torch.cat([vals[0]] + [t[:m] for t in vals[1:]])
+            mask = torch.arange(n).view(1, n) <= torch.arange(m).view(m, 1)  # the target-feature entries
+            if s > 1:
+                mask = torch.cat([mask, torch.eye(m, dtype=torch.bool).repeat(1, s - 1)], dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                                               vv.transpose(0, 1)[None], attn_mask=mask, enable_gqa=gqa)
+            cur = self.finish(x, o[0].transpose(0, 1).reshape(m, c.num_heads * c.head_dim))
+            preds.append(cur)
+        return preds
+
     def logits(self, feat: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (index i is target token token_map[i])."""
         return self.lm_head(feat)

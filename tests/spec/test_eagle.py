@@ -201,3 +201,37 @@ def test_distill_draft_cli_end_to_end_with_a_budget_stop_and_resume(target, tmp_
     assert e.value.code == 2
     llm = LLM(target, num_kv_blocks=128, max_model_len=256, speculative=f"eagle:{out}")
     assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 24
+
+
+def test_unrolled_training_computes_what_drafting_computes_step_by_step():
+    """The head's training form (all positions at once, later steps on its own predictions) equals the
+    proposer's incremental drafting: catch up on the target's features to position t, then draft."""
+    from types import SimpleNamespace
+
+    from hasten.engine.spec.eagle import EagleProposer
+
+    torch.manual_seed(0)
+    cfg = EagleConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, target_vocab_size=50, draft_vocab_size=50,
+                      tokenizer_fingerprint="x")
+    head = EagleHead(cfg).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    table = torch.randn(50, 64)
+    n = 12
+    ids, feats = torch.randint(0, 50, (n + 1,)), torch.randn(n + 1, 64)
+    with torch.no_grad():
+        preds = head.unrolled(table[ids[1:]], feats[:-1], 3)
+        assert [p.shape[0] for p in preds] == [n, n - 1, n - 2]
+        torch.testing.assert_close(preds[0], head(table[ids[1:]][None], feats[:-1][None])[0])
+    proposer = EagleProposer.__new__(EagleProposer)
+    proposer.head, proposer.target = head, SimpleNamespace(_embed=lambda i: table[i])
+    with torch.inference_mode():
+        for t in (0, 4, 9):
+            st = proposer._new_state(0)
+            got = proposer._run([(st, ids[1 : t + 2], feats[: t + 1], 0)])  # the target's features 0..t
+            torch.testing.assert_close(got[0], preds[0][t])
+            for s in (2, 3):  # each further draft from the previous prediction and the next token
+                got = proposer._run([(st, ids[t + s : t + s + 1], got, t + s - 1)])
+                torch.testing.assert_close(got[0], preds[s - 1][t], rtol=1e-4, atol=1e-5)
