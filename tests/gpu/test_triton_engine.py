@@ -48,7 +48,7 @@ def _hf_greedy(path: str, prompts: list[list[int]], new: int, dtype=torch.float3
 def _triton_llm(path: str, **options):
     from hasten import LLM
 
-    llm = LLM(path, attention_backend="triton", num_kv_blocks=96, max_model_len=512, **options)
+    llm = LLM(path, attention_backend="triton", **{"num_kv_blocks": 96, "max_model_len": 512, **options})
     engine = llm.engine
     # the GPU path, not the CPU one: device runner, Triton glue, device sampler, flat Triton metadata
     assert type(engine.runner).__name__ == "DeviceModelRunner"
@@ -139,6 +139,34 @@ def test_decode_steps_through_the_graph_buckets_change_nothing(models):
     assert (4, 3) in replayed  # three sequences decoded in the 4-row bucket, one row of padding
     # the padding rows wrote only to the scratch block, which no request owns
     assert padded.scratch_slot == engine.kv.pool.num_blocks * engine.config.block_size
+
+
+def test_ngram_speculation_on_the_device_path_keeps_the_tokens(models):
+    """The verify step is one more paged-attention call with k + 1 rows per request: accepted drafts
+    keep their K/V, rejected ones are overwritten, and the tokens stay transformers'."""
+    path = models("llama-2", arch="llama")
+    llm = _triton_llm(path, speculative="ngram", speculative_adaptive=False, num_speculative_tokens=3)
+    vocab = llm.engine.model_config.vocab_size
+    motif = _prompts(vocab, [6], seed=21)[0]
+    prompts = [motif * 4, _prompts(vocab, [17], seed=22)[0] + motif * 2]  # repeats: n-gram lookup proposes
+    ref = _hf_greedy(path, prompts, 12)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12), use_tqdm=False)]
+    assert got == ref
+    st = llm.engine.get_stats()
+    assert st.spec_proposed_tokens > 0 and st.num_free_blocks == st.num_total_blocks
+
+
+def test_preemption_on_the_device_path_keeps_the_tokens(models):
+    """A pool too small for every sequence at once: sequences are preempted, recomputed and still
+    give transformers' tokens."""
+    path = models("llama-2", arch="llama")
+    llm = _triton_llm(path, num_kv_blocks=12, max_model_len=96, max_num_seqs=6)
+    prompts = _prompts(llm.engine.model_config.vocab_size, [20, 25, 30, 18, 22, 27], seed=31)
+    ref = _hf_greedy(path, prompts, 20)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(20), use_tqdm=False)]
+    assert got == ref
+    st = llm.engine.get_stats()
+    assert st.num_preemptions > 0 and st.num_free_blocks == st.num_total_blocks
 
 
 def test_device_options_are_checked_at_start(models, monkeypatch):
