@@ -22,10 +22,9 @@ import argparse
 import json
 import logging
 import math
-import sys
 import time
 
-from hasten.distill.common import check_out, fail
+from hasten.distill.common import check_out, fail, train_with_progress
 from hasten.distill.draft_cli import add_parser as add_draft_parser
 from hasten.distill.draft_cli import draft_main
 
@@ -136,24 +135,7 @@ def prune_main(args: argparse.Namespace) -> int:
     signature = {"target": str(folder.resolve()), "drop": drop, "seq_len": args.seq_len,
                  "calib_tokens": args.calib_tokens, "heldout_tokens": args.heldout_tokens, "mlp_channels": keep}
     distiller = Distiller(student, teacher, train, heldout, config, out, signature)
-    try:
-        if distiller.try_resume():
-            print(f"resumed from {out / CHECKPOINT} at step {distiller.state.step}")
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    from tqdm import tqdm
-
-    bar = tqdm(total=config.steps, initial=distiller.state.step, desc="healing", file=sys.stderr)
-
-    def progress(state, record) -> None:
-        bar.update(1)
-        shown = {"loss": f"{record['loss']:.4f}"}
-        if "heldout_kl" in record:
-            shown["heldout_kl"] = f"{record['heldout_kl']:.4f}"
-        bar.set_postfix(shown)
-
-    state = distiller.run(progress)
-    bar.close()
+    state = train_with_progress(distiller, out, "healing")
     healed_ppl = _perplexity(student, heldout)
     finished = state.step >= config.steps
     report = {

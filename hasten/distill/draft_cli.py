@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
-from hasten.distill.common import check_out, fail
+from hasten.distill.common import check_out, fail, train_with_progress
 
 
 def add_parser(sub) -> None:
@@ -171,24 +170,7 @@ def draft_main(args: argparse.Namespace) -> int:
                  "unroll": args.unroll}
     loss = HeadLoss(feature_weight=args.feature_weight, unroll=args.unroll)
     trainer = HeadTrainer(head, embed, lm_head, train, heldout, config, loss, out, signature)
-    try:
-        if trainer.try_resume():
-            print(f"resumed from {out / CHECKPOINT} at step {trainer.state.step}")
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    from tqdm import tqdm
-
-    bar = tqdm(total=config.steps, initial=trainer.state.step, desc="training the draft head", file=sys.stderr)
-
-    def progress(state, record) -> None:
-        bar.update(1)
-        shown = {"loss": f"{record['loss']:.4f}"}
-        if "heldout_top1" in record:
-            shown["heldout_top1"] = f"{record['heldout_top1']:.3f}"
-        bar.set_postfix(shown)
-
-    state = trainer.run(progress)
-    bar.close()
+    state = train_with_progress(trainer, out, "training the draft head")
     finished = state.step >= config.steps
     history = [h for h in state.history if "heldout_top1" in h]
     head.cfg.training = {
