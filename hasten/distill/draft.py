@@ -38,33 +38,40 @@ class FeatureWindow:
 
 class FeatureRecorder:
     """An engine hidden-state observer (Engine.add_hidden_observer) that keeps, per request, the
-    final hidden state of every position the engine computes."""
+    final hidden state of every position the engine computes. Each request writes into one buffer
+    that doubles as it fills: a decode step's single row is a copy, not an allocation (thousands of
+    small live tensors between the step's large temporaries fragmented the heap by gigabytes)."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self.buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # features [cap, hidden], written [cap]
 
     def observe(self, batch: Any, hidden: torch.Tensor) -> None:
         row = 0
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            self.rows.setdefault(req.request_id, []).append((req.num_computed_tokens, hidden[row : row + n].half()))
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            feats, seen = self.buffers.get(req.request_id, (None, None))
+            if feats is None or feats.shape[0] < end:
+                cap = max(end, 256, 2 * (feats.shape[0] if feats is not None else 0))
+                grown = torch.empty(cap, hidden.shape[1], dtype=torch.float16)
+                grown_seen = torch.zeros(cap, dtype=torch.bool)
+                if feats is not None:
+                    grown[: feats.shape[0]] = feats
+                    grown_seen[: seen.shape[0]] = seen
+                feats, seen = grown, grown_seen
+                self.buffers[req.request_id] = (feats, seen)
+            feats[start:end] = hidden[row : row + n]  # a position computed again (a preemption) keeps the later rows
+            seen[start:end] = True
             row += n
 
     def release(self, request_id: str) -> None:
-        self.rows.pop(request_id, None)
+        self.buffers.pop(request_id, None)
 
     def take(self, request_id: str, length: int) -> torch.Tensor | None:
-        """Features of positions 0..length-1 (a position computed twice, after a preemption, keeps the
-        later rows); None when some position was never computed."""
-        chunks = self.rows.pop(request_id, [])
-        if not chunks:
+        """Features of positions 0..length-1; None when some position was never computed."""
+        feats, seen = self.buffers.pop(request_id, (None, None))
+        if feats is None or feats.shape[0] < length or not bool(seen[:length].all()):
             return None
-        out = torch.empty(length, chunks[0][1].shape[1], dtype=torch.float16)
-        seen = torch.zeros(length, dtype=torch.bool)
-        for start, rows in chunks:
-            n = max(0, min(rows.shape[0], length - start))
-            out[start : start + n] = rows[:n]
-            seen[start : start + n] = True
-        return out if bool(seen.all()) else None
+        return feats[:length].clone()
 
 
 def chat_prompts(tokenizer: Any, texts: Sequence[str], max_prompt_tokens: int) -> list[list[int]]:

@@ -175,7 +175,7 @@ def test_feature_recorder_keeps_the_latest_rows_and_reports_gaps():
     rec.observe(_Batch([_Req("a", 2)], [2]), torch.full((2, 2), 9.0))  # position 2 again (a preemption)
     assert rec.take("a", 4).tolist() == [[0, 1], [2, 3], [9, 9], [9, 9]]
     assert rec.take("b", 3) is None  # position 2 of b was never computed
-    assert rec.rows == {}
+    assert rec.buffers == {}
 
 
 def test_distill_draft_cli_end_to_end_with_a_budget_stop_and_resume(target, tmp_path, capsys):
