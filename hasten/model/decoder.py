@@ -268,7 +268,10 @@ def wide_attention_rows(model: Decoder, config: Any) -> int:
     from hasten.kernels.cpu_features import resolve_bf16_rows
 
     bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
-    return resolve_bf16_rows("attention_bf16", config.attention_bf16, config.attention_bf16_min_rows, bf16_gemm)
+    mode = config.attention_bf16
+    if mode == "auto":  # the projections' own auto already asked for AMX; here it follows them
+        mode = "on" if bf16_gemm else "off"
+    return resolve_bf16_rows("attention_bf16", mode, config.attention_bf16_min_rows)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -135,7 +135,8 @@ def test_quick_run_of_each_suite(suite, tmp_path):
     figures = [r[k] for r in data["rows"] for k in ("hasten", "score") if r[k] is not None]
     assert figures and all(math.isfinite(v) for v in figures)
     assert (tmp_path / "scoreboard.md").read_text().count(f"| {suite} |") == len(data["rows"])
-    assert "<svg" in (tmp_path / "scoreboard.html").read_text()
+    if any(r["score"] is not None for r in data["rows"]):  # no peer here (llama-server missing): no ratio to chart
+        assert "<svg" in (tmp_path / "scoreboard.html").read_text()
     rebuilt = subprocess.run([sys.executable, "benchmarks/scoreboard.py", "--from-results", "--only", suite,
                               "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
