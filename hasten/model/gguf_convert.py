@@ -222,6 +222,11 @@ def load_gguf_tokenizer(path: Path):
         return PreTrainedTokenizerFast(tokenizer_object=fast, **tok_config, **extra)
 
 
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` holds a finished conversion (a folder is renamed into place only once whole)."""
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
 def convert_gguf_into(path: Path, out: Path) -> Path:
     """Dequantize `path` into the HF folder `out`: written into a folder of this process's own beside
     it, then renamed into place. Processes converting the same file at once (replicas starting on a
@@ -237,6 +242,7 @@ def convert_gguf_into(path: Path, out: Path) -> Path:
     cfg = gguf_to_hf_config(reader)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's folder is private; the cache keeps the usual permissions
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _SKIPPED:
@@ -251,15 +257,19 @@ def convert_gguf_into(path: Path, out: Path) -> Path:
     tok.save_pretrained(str(tmp))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     (tmp / "hasten_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        shutil.rmtree(tmp)  # another process finished first: its folder stays
-        return out
-    if out.exists():  # a partial folder left by an older layout or a killed run
-        shutil.rmtree(out, ignore_errors=True)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process renamed its copy into place between the check and here
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "model.safetensors").exists():
-            raise
-    return out
+    for _ in range(2):
+        try:
+            tmp.rename(out)  # atomic; fails while `out` exists and is not empty
+            return out
+        except OSError:
+            if is_converted(out):  # another process finished first: its folder stays
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out
+            # a partial folder left by a killed run: moved aside in one rename, then removed
+            stale = Path(tempfile.mkdtemp(prefix=out.name + ".stale-", dir=out.parent))
+            try:
+                out.rename(stale / "old")
+            except OSError:
+                pass
+            shutil.rmtree(stale, ignore_errors=True)
+    raise OSError(f"could not move the converted model into {out}")

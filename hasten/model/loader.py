@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from hasten.model.gguf_convert import convert_gguf_into
+from hasten.model.gguf_convert import convert_gguf_into, is_converted
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,6 @@ def _gguf_fingerprint(path: Path) -> str:
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF into a cached HF folder (done once per file)."""
     out = cache_dir() / f"{path.stem}-{_gguf_fingerprint(path)}"
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if is_converted(out):
         return out
     return convert_gguf_into(path, out)

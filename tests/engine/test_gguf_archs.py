@@ -180,3 +180,15 @@ def test_processes_converting_one_file_at_once_all_get_the_whole_folder(tmp_path
     assert sorted(p.name for p in out.parent.iterdir()) == ["llama-converted"]  # no copy left behind
     llm = LLM(str(out), num_kv_blocks=32, max_model_len=64)
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids) == 2
+
+
+def test_a_partial_folder_left_by_a_killed_conversion_is_replaced(tmp_path):
+    from hasten.model.gguf_convert import convert_gguf_into, is_converted
+
+    out = tmp_path / "cache" / "llama-converted"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{")  # a killed run's half-written folder
+    assert convert_gguf_into(FIXTURES / "llama.gguf", out) == out and is_converted(out)
+    assert json.loads((out / "config.json").read_text())["architectures"]
+    assert out.stat().st_mode & 0o777 == 0o755  # readable like any cache folder
+    assert sorted(p.name for p in out.parent.iterdir()) == ["llama-converted"]
