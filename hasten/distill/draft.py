@@ -13,8 +13,7 @@ decoding).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +22,6 @@ import torch.nn.functional as F
 
 from hasten.distill.train import DistillConfig, TrainLoop
 from hasten.model.eagle import EagleHead
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,6 +89,18 @@ def chat_prompts(tokenizer: Any, texts: Sequence[str], max_prompt_tokens: int) -
     return prompts
 
 
+def prompt_conversations(heldout: bool) -> Iterator[list[dict]]:
+    """ShareGPT conversations for training prompts (from the first record) or held-out ones (from
+    the evaluation offset), split by a hash of each conversation's JSON so the two never share one."""
+    import json
+
+    from hasten.quant.data import EVAL_OFFSET, is_evaluation_text, iter_conversations
+
+    for conv in iter_conversations(EVAL_OFFSET if heldout else 0):
+        if is_evaluation_text(json.dumps(conv)) == heldout:
+            yield conv
+
+
 def first_user_turns(conversations: Any, count: int, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
     """The opening user turn of `count` ShareGPT conversations (of sensible length)."""
     out: list[str] = []
@@ -115,8 +124,7 @@ def record(llm: Any, prompts: list[list[int]], max_tokens: int, seed: int = 0) -
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=seed),
                             use_tqdm=False)
     finally:
-        llm.engine.hidden_observers.remove(recorder)
-        llm.engine.runner.keep_hidden = bool(llm.engine.hidden_observers)
+        llm.engine.remove_hidden_observer(recorder)
     found = []
     for prompt, out in zip(prompts, outs, strict=True):
         ids = (list(prompt) + list(out.outputs[0].token_ids))[:-1]  # the last token was never read

@@ -143,8 +143,9 @@ class LLMEngine:
             self.sampler = Sampler(cfg.vocab_size)
         self.sampler.reseed(config.seed)
         self.proposer = self._make_proposer()
-        self.hidden_observers = [self.proposer] if getattr(self.proposer, "wants_hidden", False) else []
-        self.runner.keep_hidden = bool(self.hidden_observers)
+        self.hidden_observers: list = []
+        if getattr(self.proposer, "wants_hidden", False):
+            self.add_hidden_observer(self.proposer)
         self.spec_stats = SpecStats()
         self.depth = DepthController(config.num_speculative_tokens, config.speculative_adaptive)
         self.groups: dict[str, _Group] = {}
@@ -409,6 +410,10 @@ class LLMEngine:
         from them; `hasten distill draft` records them)."""
         self.hidden_observers.append(observer)
         self.runner.keep_hidden = True
+
+    def remove_hidden_observer(self, observer) -> None:
+        self.hidden_observers.remove(observer)
+        self.runner.keep_hidden = bool(self.hidden_observers)
 
     def _observe(self, batch) -> None:
         """Hand the step's final hidden states to the observers. A failure there costs that observer

@@ -96,11 +96,17 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @staticmethod
+    def changes_logits(r: Request) -> bool:
+        """Whether process() changes this request's row: logits processors, logit_bias, min_tokens
+        masking still in force, or penalties."""
+        p = r.params
+        return bool(p.logits_processors or r.num_output_tokens < p.min_tokens or p.needs_penalties or p.logit_bias)
+
+    @staticmethod
     def process(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Logits processors, min_tokens and penalties, on a copy (the input itself when no row needs
         any of them: it is only read afterwards). Each row's context is its request's outputs."""
-        if not any(r.params.logits_processors or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
-                   or r.params.logit_bias for r in reqs):
+        if not any(Sampler.changes_logits(r) for r in reqs):
             return logits
         logits = logits.clone()
         for i, r in enumerate(reqs):

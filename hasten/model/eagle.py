@@ -199,8 +199,7 @@ class EagleHead(nn.Module):
         head = cls(EagleConfig(**{k: v for k, v in raw.items() if k in known}))
         state = load_file(str(folder / WEIGHTS_FILE))
         head.load_state_dict(state)
-        head.to(dtype)
-        head.token_map = head.token_map.long()
+        head.to(dtype)  # floating-point tensors only: token_map stays int64
         return head.eval()
 
     LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")

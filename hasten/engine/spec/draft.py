@@ -30,6 +30,24 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def proposal_view(req: Request) -> Request:
+    """The request as a proposer samples for it: its outputs followed by the drafts made so far."""
+    view = Request(req.request_id, req.prompt_token_ids, req.params, req.eos_token_ids)
+    view.output_token_ids = req.output_token_ids + req.spec_token_ids
+    return view
+
+
+def draw_draft(sampler, processed: torch.Tensor, view: Request, req: Request, qs: list[torch.Tensor]) -> int:
+    """One draft token from a processed logits row [V]: its argmax for greedy requests, else a draw
+    from the request's distribution q (temperature, top-k/top-p), which is kept in `qs` for the
+    verifier."""
+    if req.params.greedy:
+        return int(processed.argmax())
+    q = sampler.probs(processed[None], [view])[0]
+    qs.append(q)
+    return int((q / sampler.noise_for(req, q.shape).clamp_(min=1e-30)).argmax())
+
+
 class DraftModelProposer:
     name = "draft"
 
@@ -110,20 +128,11 @@ class DraftModelProposer:
             still = []
             targets = [(r, sh, k) for r, sh, k in active if sh.request_id in by_id]
             if targets:
-                views = []
-                for r, _, _ in targets:
-                    v = Request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids)
-                    v.output_token_ids = r.output_token_ids + r.spec_token_ids
-                    views.append(v)
+                views = [proposal_view(r) for r, _, _ in targets]
                 logits = result.logits[torch.tensor([by_id[sh.request_id] for _, sh, _ in targets])]
                 processed = self.sampler.process(logits, views)
                 for i, (r, sh, k) in enumerate(targets):
-                    if r.params.greedy:
-                        tok = int(processed[i].argmax())
-                    else:
-                        q = self.sampler.probs(processed[i : i + 1], [views[i]])[0]
-                        rows[r.request_id].append(q)
-                        tok = int((q / self.sampler.noise_for(r, q.shape).clamp_(min=1e-30)).argmax())
+                    tok = draw_draft(self.sampler, processed[i], views[i], r, rows[r.request_id])
                     r.spec_token_ids.append(tok)
                     if len(r.spec_token_ids) < k:
                         sh.output_token_ids.append(tok)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from hasten.engine.request import Request
 from hasten.engine.scheduler import ScheduledBatch
+from hasten.engine.spec.draft import draw_draft, proposal_view
 from hasten.model.eagle import EagleHead, tokenizer_fingerprint
 
 
@@ -73,12 +74,8 @@ class EagleProposer:
             if st is None:
                 st = self._new_state(start)
                 self.states[req.request_id] = st
-            held = 0 if st.feats is None else st.feats.shape[0]
-            if st.feats is not None and st.feat_pos <= start <= st.feat_pos + held:
-                keep = st.feats[: start - st.feat_pos]
-                st.feats = torch.cat([keep, rows.float()]) if keep.shape[0] else rows.float().clone()
-                if keep.shape[0] == 0:
-                    st.feat_pos = start
+            if st.feats is not None and st.feat_pos <= start <= st.feat_pos + st.feats.shape[0]:
+                st.feats = torch.cat([st.feats[: start - st.feat_pos], rows.float()])  # rejected drafts' rows go
             else:
                 st.feat_pos, st.feats = start, rows.float().clone()
 
@@ -163,13 +160,6 @@ class EagleProposer:
         return st, ids, feats, lo
 
     # ------------------------------------------------------------ proposing
-    @staticmethod
-    def _plain_greedy(r: Request) -> bool:
-        """Greedy with nothing that changes logits: the head's own argmax is the draft."""
-        p = r.params
-        return (p.greedy and not p.logits_processors and not p.needs_penalties and not p.logit_bias
-                and r.num_output_tokens >= p.min_tokens)
-
     def _draft_tokens(self, pred: torch.Tensor, active: list[tuple[Request, int]],
                       rows: dict[str, list[torch.Tensor]]) -> list[int]:
         """One draft token per active request from the head's predicted features."""
@@ -177,28 +167,18 @@ class EagleProposer:
         tokens: list[int | None] = [None] * len(active)
         full_rows = []
         for i, (r, _) in enumerate(active):
-            if self._plain_greedy(r):
+            if r.params.greedy and not self.sampler.changes_logits(r):  # the head's own argmax is the draft
                 tokens[i] = int(self.head.token_map[int(small[i].argmax())])
             else:
                 full_rows.append(i)
         if full_rows:
             full = torch.full((len(full_rows), self.vocab_size), float("-inf"))
             full[:, self.head.token_map] = small[torch.tensor(full_rows)]
-            views = []
-            for i in full_rows:
-                r = active[i][0]
-                v = Request(r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids)
-                v.output_token_ids = r.output_token_ids + r.spec_token_ids
-                views.append(v)
+            views = [proposal_view(active[i][0]) for i in full_rows]
             processed = self.sampler.process(full, views)
             for j, i in enumerate(full_rows):
                 r = active[i][0]
-                if r.params.greedy:
-                    tokens[i] = int(processed[j].argmax())
-                else:
-                    q = self.sampler.probs(processed[j : j + 1], [views[j]])[0]
-                    rows[r.request_id].append(q)
-                    tokens[i] = int((q / self.sampler.noise_for(r, q.shape).clamp_(min=1e-30)).argmax())
+                tokens[i] = draw_draft(self.sampler, processed[j], views[j], r, rows[r.request_id])
         return [int(t) for t in tokens]
 
     @torch.inference_mode()
