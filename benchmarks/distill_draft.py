@@ -7,7 +7,10 @@
     over rounds, for each engine setting (float32, the exact default; the GGUF blocks with a float16
     cache, the fastest); and at batch 16 (adaptive depth), draft vs none.
 
-usage: python benchmarks/distill_draft.py [--out DIR] [--reuse] [--max-minutes 30] [-- draft args...]
+  - the time of one draft token through the head, float32 and int8 weights.
+
+usage: python benchmarks/distill_draft.py [--out DIR] [--reuse] [--max-minutes 30] [--head-cost-only]
+                                          [-- draft args...]
 """
 
 from __future__ import annotations
@@ -28,12 +31,35 @@ SETTINGS = {
 
 def heldout_prompts(tokenizer, count: int, skip: int) -> list[list[int]]:
     """Opening user turns of evaluation-split conversations, past the `skip` the trainer holds out."""
-    from hasten.distill.draft import chat_prompts, first_user_turns
-    from hasten.quant.data import EVAL_OFFSET, is_evaluation_text, iter_conversations
+    from hasten.distill.draft import chat_prompts, first_user_turns, prompt_conversations
 
-    convs = (c for c in iter_conversations(EVAL_OFFSET) if is_evaluation_text(json.dumps(c)))
-    turns = first_user_turns(convs, skip + count)[skip:]
+    turns = first_user_turns(prompt_conversations(heldout=True), skip + count)[skip:]
     return chat_prompts(tokenizer, turns, 512)
+
+
+def head_cost_ms(folder: str, repeats: int = 300) -> dict[str, float]:
+    """Milliseconds of one draft token through the head (its layer and lm_head on one row, attention
+    left out), float32 and int8 weights, as the proposer runs it."""
+    import torch
+
+    from hasten.model.eagle import EagleHead
+
+    head = EagleHead.load(folder)
+    hidden = head.cfg.hidden_size
+    emb, feat, attn, pos = (torch.randn(1, hidden), torch.randn(1, hidden),
+                            torch.randn(1, head.cfg.num_heads * head.cfg.head_dim), torch.tensor([100]))
+    costs = {}
+    with torch.inference_mode():
+        for name in ("float32", "int8"):
+            if name == "int8":
+                head.quantize_int8()
+            for i in range(repeats + 20):
+                if i == 20:
+                    t = time.perf_counter()
+                x, _, _, _ = head.qkv(emb, feat, pos)
+                head.logits(head.finish(x, attn))
+            costs[name] = (time.perf_counter() - t) / repeats * 1e3
+    return costs
 
 
 def decode_tok_s(outs) -> float:
@@ -47,6 +73,7 @@ def decode_tok_s(outs) -> float:
 def run_setting(name: str, options: dict, draft: str, prompts: list[list[int]], batch_prompts: list[list[int]],
                 max_tokens: int, rounds: int) -> dict:
     from hasten import LLM, SamplingParams
+    from hasten.engine.spec import SpecStats
 
     modes = {"none": {}, "ngram": {"speculative": "ngram"}, "eagle": {"speculative": f"eagle:{draft}"}}
     llms = {m: LLM(None, max_model_len=2048, kv_cache_memory_gb=0.5, **options, **o) for m, o in modes.items()}
@@ -58,7 +85,7 @@ def run_setting(name: str, options: dict, draft: str, prompts: list[list[int]], 
     stats = {}
     for _ in range(rounds):
         for m, llm in llms.items():
-            llm.engine.spec_stats.__init__()
+            llm.engine.spec_stats = SpecStats()
             outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
             b1[m].append(decode_tok_s(outs))
             st = llm.engine.spec_stats
@@ -86,6 +113,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", default="float32,gguf")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--head-cost-only", action="store_true", help="only time one draft token through the head")
     ap.add_argument("draft_args", nargs="*", help="more `hasten distill draft` arguments (after --)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -96,6 +124,10 @@ def main() -> None:
         rc = subprocess.run(cmd).returncode
         if rc not in (0, 3):
             sys.exit(f"hasten distill draft failed with exit code {rc}")
+    cost = head_cost_ms(str(out))
+    print(f"one draft token through the head: {cost['float32']:.2f} ms in float32, {cost['int8']:.2f} ms in int8")
+    if args.head_cost_only:
+        return
     report = json.loads((out / "draft.json").read_text())
     print(json.dumps({k: report[k] for k in ("steps", "finished", "train_seconds", "train_tokens", "answer_tokens",
                                              "draft_vocab", "vocab_coverage", "heldout_top1", "seconds",

