@@ -52,11 +52,17 @@ class EngineConfig:
     quant_int4_kernel: str = "auto"  # auto | hasten (C++ AVX2, float32 activations) | torch (aten, bf16 activations)
     quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 x, exact) | hasten-q8 (int8 x) | torch (aten, bf16 x); auto = hasten, GGUF Q8_0: hasten-q8
     quant_q8_gemm: bool = True  # int8-activation int4 layers: 2+ rows in int8 too (u8 x s8 GEMM; False: float32 GEMM)
+    # AVX-512 VNNI: from this many rows of x (prefill chunks, decode batches) the int4 x int8 GEMM takes
+    # 16 weight rows per register and up to 8 rows of x per tile (0: the 8-row tiles throughout)
+    quant_q8_gemm_wide_rows: int = 12
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     # wide calls (prefill chunks, big decode batches) in bfloat16 against a bfloat16 copy of each quantized
     # weight (+2 bytes per weight): auto = on where the CPU has AMX tiles | on | off
     quant_bf16_gemm: str = "auto"
     quant_bf16_gemm_min_rows: int = 32  # rows of x from which a quantized layer takes the bfloat16 path
+    # SiLU-multiply with a vectorized exp (~2 ulp) where the down projection rounds its input anyway
+    # (int8 / bfloat16 activations); float32-exact layers keep the exact exp
+    fast_silu: bool = True
     fused_decoder_ops: bool = True  # norms, RoPE + cache write, SiLU-mul as C++ ops (PyTorch ops if False/unbuildable)
     native_decoder_loop: bool = True  # float32 + fused ops + cpp attention: the layer loop itself in C++ (bit-identical)
     # auto (cpp on the CPU, triton on CUDA) | cpp (C++ kernel over the block pool in place) | sdpa (gather + SDPA)

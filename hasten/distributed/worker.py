@@ -61,6 +61,7 @@ def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: Paral
     model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory, stage,
                             fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
     model.set_wide_attention_rows(wide_attention_rows(model, config))
+    model.set_fast_silu(config.fast_silu)
     return model
 
 

@@ -102,6 +102,7 @@ class LLMEngine:
             if not self.device_path:
                 # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too
                 self.model.set_wide_attention_rows(wide_attention_rows(self.model, config))
+                self.model.set_fast_silu(config.fast_silu)
             num_blocks = self._num_blocks(rank_cfg)
         # every layer's window (under pipeline parallelism rank 0 holds only its stage's layers)
         windows = cfg.windows_within(self.max_model_len)

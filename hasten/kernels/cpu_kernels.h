@@ -15,6 +15,8 @@ at::Tensor int4_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at
 at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                             const at::Tensor& mins, int64_t group);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
+void set_q8_gemm_wide_rows(int64_t rows);
+bool q8_gemm_has_wide_tiles();
 std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                                         int64_t group);
 at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,

@@ -36,6 +36,7 @@ struct Linear {
   // it only to tell the loop which rows it takes in bfloat16 (the callable does the multiply)
   std::optional<at::Tensor> bf16_weight;
   int64_t bf16_min_rows = 0;
+  bool rounds_input = false;  // the layer rounds x (int8 or bfloat16 activations): not float32-exact anyway
   std::optional<at::Tensor> bias, inv_input_scale;
   py::object callable;
 
@@ -91,7 +92,7 @@ struct Linear {
 Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int64_t group,
                    std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable,
                    int64_t gemm_min_rows, int64_t out_features, std::optional<at::Tensor> bf16_weight,
-                   int64_t bf16_min_rows) {
+                   int64_t bf16_min_rows, bool rounds_input) {
   Linear l;
   static const std::vector<std::pair<std::string, LinearKind>> kinds = {
       {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
@@ -129,6 +130,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
               "bf16_weight: a 2-D bfloat16 tensor, with bf16_min_rows >= 1");
   l.bf16_weight = std::move(bf16_weight);
   l.bf16_min_rows = bf16_min_rows;
+  l.rounds_input = rounds_input;
   l.bias = std::move(bias);
   l.inv_input_scale = std::move(inv_input_scale);
   l.callable = std::move(callable);
@@ -220,7 +222,7 @@ class DecoderLoop {
       timer.mark(kNorms);
       at::Tensor gate_up = contiguous(lw.gate_up(x));
       timer.mark(kGateUp);
-      at::Tensor act = silu_mul(gate_up, lw.down.takes_bf16(gate_up.size(0)));
+      at::Tensor act = silu_mul(gate_up, lw.down.takes_bf16(gate_up.size(0)) || (fast_silu_ && lw.down.rounds_input));
       timer.mark(kSiluMul);
       at::Tensor down = contiguous(lw.down(act));
       timer.mark(kDown);
@@ -236,6 +238,9 @@ class DecoderLoop {
 
   // paged_attention's wide_rows: sequences with this many new tokens attend in bfloat16 SDPA (0: off)
   void set_wide_attention_rows(int64_t n) { wide_attention_rows_ = n; }
+
+  // silu_mul's vectorized exp (~2 ulp) for every call whose down projection rounds its input anyway
+  void set_fast_silu(bool on) { fast_silu_ = on; }
 
   // Profiling: per-part seconds summed over the forward calls since it was switched on.
   void set_profiling(bool on) {
@@ -259,6 +264,7 @@ class DecoderLoop {
   bool profiling_ = false;
   int64_t attention_group_ = 8;
   int64_t wide_attention_rows_ = 0;
+  bool fast_silu_ = false;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
 };
@@ -281,6 +287,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "grouped int8 weight (codes, float32 scales and mins per 16 or 32 k) -> the layout of int8g_linear_q8_gemm");
   m.def("int8g_linear_q8_gemm", &int8g_linear_q8_gemm, nogil,
         "y = x W^T for grouped int8 W (scale and min per group) with x quantized to int8 per 32 values");
+  m.def("set_q8_gemm_wide_rows", &set_q8_gemm_wide_rows, arg("rows"),
+        "rows of x from which the int4 x int8 GEMM takes its AVX-512 16-row tiles (0: never)");
+  m.def("q8_gemm_has_wide_tiles", &q8_gemm_has_wide_tiles, "whether this build has the AVX-512 16-row tiles");
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
   m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");
@@ -296,7 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear", "one projection of DecoderLoop: kind, its tensors, bias, AWQ input scale");
   m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
         arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2, arg("out_features") = 0,
-        arg("bf16_weight") = py::none(), arg("bf16_min_rows") = 0,
+        arg("bf16_weight") = py::none(), arg("bf16_min_rows") = 0, arg("rounds_input") = false,
         "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group; int4_q8 may add int4_pack_rows8's "
         "three tensors for its int8 GEMM) | int8 [qweight, scales] | int8g [int8g_pack_rows8's three] (+ group, "
         "out_features) | python (callable)");
@@ -313,6 +322,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "most decode sequences one attention item serves over their shared prefix blocks (< 2: off)")
       .def("set_wide_attention_rows", &DecoderLoop::set_wide_attention_rows,
            "sequences with this many new tokens attend in bfloat16 (paged_attention's wide_rows; 0: off)")
+      .def("set_fast_silu", &DecoderLoop::set_fast_silu,
+           "SiLU with the vectorized exp where the down projection rounds its input (int8 / bfloat16 x)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")
       .def("timings", &DecoderLoop::timings, "per-part seconds summed over the calls since profiling went on");
 }

@@ -54,14 +54,16 @@ inline float min_term(const at::Half* mins, const float* xs, int64_t G) {
 #endif
 
 // ---- x rounded to int8 per 32 k (llama.cpp's Q8 scheme), for the int8-activation kernels ------------
-// x is quantized per 32 k to int8 with its own scale d (round to nearest, |q| <= 127), in the same
-// even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
-// exact float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
-// instructions per weight than the float path.
-inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
-  const int64_t C = K / kChunk;
-  for (int64_t m = 0; m < M; ++m) {
+inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int8_t* xq,
+                               float* xd, float* xs) {
+  // sums per group from the 32-runs' vectors when a group is whole runs (grouped int8 weights may
+  // use groups of 16: then the plain loop below)
+  const int64_t C = K / kChunk, per_group = group % kChunk == 0 ? group / kChunk : 0;
+  for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xr = x + m * K;
+#if defined(__AVX2__)
+    __m256 gsum = _mm256_setzero_ps();
+#endif
     for (int64_t c = 0; c < C; ++c) {
       const float* xc = xr + c * kChunk;
       int8_t* q = xq + m * K + c * kChunk;
@@ -72,19 +74,32 @@ inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, i
         v[j] = _mm256_loadu_ps(xc + 8 * j);
         a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
       }
+      gsum = _mm256_add_ps(gsum, _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      if (per_group > 0 && (c + 1) % per_group == 0) {
+        xs[m * (K / group) + c / per_group] = hasten_tiles::hsum(gsum);
+        gsum = _mm256_setzero_ps();
+      }
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
       const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
       const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-      alignas(32) int32_t r[kChunk];
-      for (int j = 0; j < 4; ++j)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * j),
-                           _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv))));
-      for (int64_t i = 0; i < kChunk / 2; ++i) {
-        q[i] = static_cast<int8_t>(r[2 * i]);
-        q[kChunk / 2 + i] = static_cast<int8_t>(r[2 * i + 1]);
-      }
+      const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      // run order: the even k of the 32 first, then the odd ones. shuffle_ps picks them per 128-bit
+      // lane; swapping the middle 64-bit quarters puts them in k order.
+      auto pick = [](__m256 lo, __m256 hi, int odd) {
+        const __m256 t = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), 0xD8));
+      };
+      const __m256i e0 = _mm256_cvtps_epi32(_mm256_mul_ps(pick(v[0], v[1], 0), inv));
+      const __m256i e1 = _mm256_cvtps_epi32(_mm256_mul_ps(pick(v[2], v[3], 0), inv));
+      const __m256i o0 = _mm256_cvtps_epi32(_mm256_mul_ps(pick(v[0], v[1], 1), inv));
+      const __m256i o1 = _mm256_cvtps_epi32(_mm256_mul_ps(pick(v[2], v[3], 1), inv));
+      // int32 -> int8 (|value| <= 127: no saturation); packs work per 128-bit lane, the permute
+      // restores the order e0, e1, o0, o1
+      const __m256i w16a = _mm256_packs_epi32(e0, e1), w16b = _mm256_packs_epi32(o0, o1);
+      const __m256i w8 = _mm256_packs_epi16(w16a, w16b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                          _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
       float amax = 0.0f;
       for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
@@ -97,12 +112,28 @@ inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, i
 #endif
       xd[m * C + c] = d;
     }
+#if defined(__AVX2__)
+    if (per_group > 0) continue;
+#endif
     for (int64_t g = 0; g < K / group; ++g) {
       float s = 0.0f;
       for (int64_t i = 0; i < group; ++i) s += xr[g * group + i];
       xs[m * (K / group) + g] = s;
     }
   }
+}
+
+// x is quantized per 32 k to int8 with its own scale d (round to nearest, |q| <= 127), in the same
+// even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
+// float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
+// instructions per weight than the float path. Rows split across threads when there are many.
+inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
+  const int64_t grain = std::max<int64_t>(1, 8192 / K);
+  if (M <= grain) {
+    quantize_x_q8_rows(x, 0, M, K, group, xq, xd, xs);
+    return;
+  }
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) { quantize_x_q8_rows(x, begin, end, K, group, xq, xd, xs); });
 }
 
 // x [M, K] (contiguous float32) rounded by quantize_x_q8 into tensors that live for one call:

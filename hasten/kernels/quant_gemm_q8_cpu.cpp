@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -51,6 +52,39 @@ inline void over_blocks8(int64_t N8, int64_t M, const Tile& tile) {
           default: tile(std::integral_constant<int, 1>{}, nb, m); break;
         }
       }
+  });
+}
+
+// From this many rows of x on, the AVX-512 two-block tiles (0: never; set_q8_gemm_wide_rows). Below
+// ~12 rows the 8-row tiles were faster (30 SmolLM2 layers, weights from memory, 2 EPYC cores).
+std::atomic<int64_t> g_wide_rows{12};
+
+// Pairs of blocks (16 weight rows) for the two-block tiles: pair(R, nb, m) for blocks nb, nb + 1,
+// single(R, nb, m) for a last odd block; x in panels of kPanelRows rows, so that a panel stays in
+// the core's cache while every pair of this thread's blocks passes over it.
+constexpr int64_t kPanelRows = 64;
+template <typename Pair, typename Single>
+inline void over_block_pairs(int64_t N8, int64_t M, const Pair& pair, const Single& single) {
+  const int64_t P = (N8 + 1) / 2;
+  at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+      const int64_t m1 = std::min(M, m0 + kPanelRows);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t nb = 2 * p;
+        for (int64_t m = m0; m < m1;) {
+          const int64_t left = m1 - m;
+          auto call = [&](auto R) {
+            if (nb + 1 < N8) pair(R, nb, m);
+            else single(R, nb, m);
+            m += decltype(R)::value;
+          };
+          if (left >= 8) call(std::integral_constant<int, 8>{});
+          else if (left >= 4) call(std::integral_constant<int, 4>{});
+          else if (left >= 2) call(std::integral_constant<int, 2>{});
+          else call(std::integral_constant<int, 1>{});
+        }
+      }
+    }
   });
 }
 
@@ -121,6 +155,59 @@ inline void q8_gemm_tile(const int8_t* xq, const float* xd, const float* xs, int
   }
   for (int r = 0; r < MR; ++r) store_cols(out + r * ldo, acc[r], cols);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// AVX-512: MR (<= 8) rows of x against TWO packed blocks at once, as one 512-bit register of 16 weight
+// rows (w1: the second block's bytes). One u8 x s8 instruction then does 64 multiply-adds, each
+// broadcast of x feeds 16 weight rows, and the MR integer sums are independent chains (the 8-row tile
+// above keeps MR <= 4 chains of dependent multiply-adds, too few to hide their latency: it reached
+// about half of the VNNI peak on prefill-sized M).
+inline __m512i load_pair(const uint8_t* w0, const uint8_t* w1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1)), 1);
+}
+inline __m512 load_pair_ps(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512i broadcast4_512(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+template <int MR>
+inline void q8_gemm_tile16(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, int64_t per_group,
+                           const uint8_t* w0, const uint8_t* w1, const float* s0, const float* s1, const float* m0,
+                           const float* m1, float* out, int64_t ldo, int64_t cols1) {
+  const int64_t C = K / kChunk;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i run[MR];
+    for (int r = 0; r < MR; ++r) run[r] = _mm512_setzero_si512();
+    for (int64_t kb = 4 * c; kb < 4 * c + 4; ++kb) {
+      const __m512i v = load_pair(w0 + kb * 32, w1 + kb * 32);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xq + r * K + kb * 8;
+        run[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(run[r], lo, broadcast4_512(xr)), hi, broadcast4_512(xr + 4));
+      }
+    }
+    const int64_t g = c / per_group;
+    const __m512 sv = load_pair_ps(s0 + g * 8, s1 + g * 8);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[r]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * C + c])), acc[r]);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 mv = load_pair_ps(m0 + g * 8, m1 + g * 8);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), acc[r]);
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (8 + cols1)) - 1u);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, tail, acc[r]);
+}
+#define HASTEN_Q8_TILE2 1
+#endif
 #endif
 
 // The same sums in plain C++ (no AVX2): one x row against one packed block.
@@ -144,6 +231,19 @@ void q8_gemm_row_generic(const int8_t* xq, const float* xd, const float* xs, int
 }
 
 }  // namespace
+
+void set_q8_gemm_wide_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "wide rows must be >= 0 (0: off), got ", rows);
+  g_wide_rows.store(rows, std::memory_order_relaxed);
+}
+
+bool q8_gemm_has_wide_tiles() {
+#if defined(HASTEN_Q8_TILE2)
+  return true;
+#else
+  return false;
+#endif
+}
 
 std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                                         int64_t group) {
@@ -207,6 +307,23 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const float* sp = scales8.data_ptr<float>();
   const float* mp = mins8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(HASTEN_Q8_TILE2)
+  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
+  if (wide_rows > 0 && M >= wide_rows) {
+    over_block_pairs(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      const int64_t bytes = (K / 8) * 32;
+      q8_gemm_tile16<R>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, per_group, wp + nb * bytes, wp + (nb + 1) * bytes,
+                       sp + nb * G * 8, sp + (nb + 1) * G * 8, mp + nb * G * 8, mp + (nb + 1) * G * 8,
+                       yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8 - 8));
+    }, [&](auto rows, int64_t nb, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      q8_gemm_tile<R>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, per_group, wp + nb * (K / 8) * 32, sp + nb * G * 8,
+                      mp + nb * G * 8, yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8));
+    });
+    return y;
+  }
+#endif
   over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
     const uint8_t* w = wp + nb * (K / 8) * 32;

@@ -38,6 +38,21 @@ def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     return _module().int4_linear_q8(x, codes, scales, mins, group)
 
 
+def set_q8_gemm_wide_rows(rows: int) -> None:
+    """From `rows` rows of x on, int4_linear_q8_gemm multiplies 16 weight rows per AVX-512 register
+    (two packed blocks per tile, up to 8 rows of x: independent integer chains); 0: always the 8-row
+    tiles. Process-wide (EngineConfig.quant_q8_gemm_wide_rows); a build without AVX-512 VNNI ignores it."""
+    mod = _ext.module or load()
+    if mod is not None:
+        mod.set_q8_gemm_wide_rows(int(rows))
+
+
+def q8_gemm_has_wide_tiles() -> bool:
+    """Whether this build of the kernels has the AVX-512 16-row tiles (set_q8_gemm_wide_rows)."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.q8_gemm_has_wide_tiles())
+
+
 def int4_pack_rows8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> list[torch.Tensor]:
     """The weight in int4_linear_q8_gemm's layout: (packed uint8 [ceil(N/8), K/8, 8, 4], scales and
     mins float32 [ceil(N/8), K/group, 8]); 8 weight rows side by side (quant_gemm_q8_cpu.cpp)."""

@@ -90,6 +90,7 @@ class Decoder:
         self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.attention_group = attention_group
         self.wide_attention_rows = 0  # set_wide_attention_rows
+        self.fast_silu = False  # set_fast_silu
         self.returns_residual = False  # a pipeline stage before the last: forward() ends at the residual stream
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
         if native_loop and self.ops is not None and ops is None:
@@ -105,6 +106,13 @@ class Decoder:
         self.wide_attention_rows = rows
         if self.loop is not None:
             self.loop.set_wide_attention_rows(rows)
+
+    def set_fast_silu(self, on: bool) -> None:
+        """on: the fused SiLU-multiply takes its vectorized exp (~2 ulp) wherever the down projection
+        rounds its input anyway (int8 or bfloat16 activations); float32-exact layers never do."""
+        self.fast_silu = bool(on)
+        if self.loop is not None:
+            self.loop.set_fast_silu(self.fast_silu)
 
     # ---------------------------------------------------------------- forward
 
@@ -244,8 +252,10 @@ class Decoder:
         if lw.moe is not None or self.cfg.hidden_act != "silu":
             return self._mlp(lw, x)
         down = lw.down_proj
-        # rows the down projection takes in bfloat16 get the vectorized SiLU (as the C++ loop does)
-        fast = getattr(down, "bf16_weight", None) is not None and x.shape[0] >= down.bf16_min_rows
+        # rows the down projection rounds (bfloat16 rows; with fast_silu any rounding layer) get the
+        # vectorized SiLU, as the C++ loop does
+        fast = ((getattr(down, "bf16_weight", None) is not None and x.shape[0] >= down.bf16_min_rows)
+                or (self.fast_silu and bool(getattr(down, "rounds_activations", False))))
         return down(self.ops.silu_mul(_contiguous(lw.gate_up_proj(x)), fast))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
     if type(layer) is DenseLinear and layer.weight.dtype == torch.float32:
         return mod.make_linear("dense", [layer.weight], bias=layer.bias)
     wide = {"bf16_weight": layer.bf16_weight, "bf16_min_rows": layer.bf16_min_rows} if getattr(layer, "bf16_weight", None) is not None else {}
+    wide["rounds_input"] = bool(getattr(layer, "rounds_activations", False))
     if isinstance(layer, Int4HastenLinear):
         kind = "int4_q8" if layer.int8_activations else "int4"
         tensors = [layer.codes, layer.scales, layer.mins] + (list(layer.rows8) if layer.rows8 is not None else [])

@@ -93,3 +93,22 @@ def test_bad_linear_kind_is_refused():
         mod.make_linear("int3", [])
     with pytest.raises(RuntimeError, match="takes 3 tensors"):
         mod.make_linear("int4", [torch.zeros(2)])
+
+
+def test_fast_silu_only_where_the_down_projection_rounds(tiny_models, tmp_path, monkeypatch):
+    """fast_silu (on by default) leaves float32 models bit-exact; int8-activation layers take the
+    vectorized exp in both loops alike (test_quantized_models). Its ~1e-6 relative change can flip an
+    activation's int8 rounding, so the logits move: by less than half of what int8 activations
+    themselves move them (against the same int4 weights with float32 x)."""
+    monkeypatch.setenv("HASTEN_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_models("llama", hidden_size=128, num_layers=2)
+    kw = dict(num_kv_blocks=256, max_model_len=512)
+    on, off = LLM(model, **kw), LLM(model, fast_silu=False, **kw)
+    assert on.engine.model.fast_silu and not off.engine.model.fast_silu
+    assert torch.equal(sequence_logits(on.engine.model, IDS), sequence_logits(off.engine.model, IDS))
+    q8 = dict(quantization="int4", quant_int4_kernel="hasten-q8", **kw)
+    on, off = LLM(model, **q8), LLM(model, fast_silu=False, **q8)
+    assert on.engine.model.layers[0].down_proj.rounds_activations
+    a, b = sequence_logits(on.engine.model, IDS), sequence_logits(off.engine.model, IDS)
+    float_x = sequence_logits(LLM(model, **{**q8, "quant_int4_kernel": "hasten"}).engine.model, IDS)
+    assert 0 < (b - float_x).abs().max() and (a - b).abs().max() < 0.5 * (b - float_x).abs().max()

@@ -28,9 +28,10 @@ def reference(x, codes, scales, mins, group):
 def q8_reference(x, codes, scales, mins, group):
     """Exact result of the int8-activation scheme: x rounded per 32 values, min term from float sums."""
     m, k = x.shape
-    runs = x.double().view(m, k // 32, 32)
+    runs = x.float().view(m, k // 32, 32)  # the kernel's float32 steps: d = amax / 127, q = round(x * (1 / d))
     d = runs.abs().amax(-1, keepdim=True) / 127
-    xq = torch.where(d > 0, torch.round(runs / d.clamp_min(1e-300)), 0) * d
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
+    xq = torch.round(runs * inv).double() * d.double()
     n = codes.shape[0]
     w_codes = codes.double().view(n, k // group, group) * scales.double()[..., None]
     main = xq.view(m, k) @ w_codes.view(n, k).t()
@@ -68,6 +69,41 @@ def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
     if q8:  # and it stays close to the float result
         exact = reference(x, codes, scales, mins, group)
         assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("wide_rows", [0, 1, 12])
+@pytest.mark.parametrize("m", [1, 7, 8, 12, 13, 23, 64, 65, 131])
+@pytest.mark.parametrize("n,k,group", [(8, 64, 32), (16, 576, 32), (24, 96, 32), (33, 576, 32), (100, 1536, 64),
+                                       (200, 256, 128)])
+def test_int4_q8_gemm_wide_tiles_match_reference(m, n, k, group, wide_rows):
+    """The AVX-512 16-row tiles (two packed blocks per register, up to 8 rows of x, x in panels of 64
+    rows) against the float64 reference and against the 8-row tiles: an odd last block, a partial
+    last block, row counts around every tile and panel edge, runs of x that are all zero, 2 threads."""
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k + group)
+    codes, scales, mins = random_weight(gen, n, k, group)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[:, :32] = 0.0  # a zero run: scale 0
+    y = torch.full((m, n), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        int4_linear.set_q8_gemm_wide_rows(wide_rows)
+        y = q8_gemm(x, pack_nibbles(codes), scales, mins, group)
+        int4_linear.set_q8_gemm_wide_rows(0)
+        narrow = q8_gemm(x, pack_nibbles(codes), scales, mins, group)
+    finally:
+        int4_linear.set_q8_gemm_wide_rows(12)
+        torch.set_num_threads(before)
+    want = q8_reference(x, codes, scales, mins, group)
+    assert not torch.isnan(y).any()
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+    assert torch.allclose(y, narrow, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_wide_tile_switch_is_checked():
+    with pytest.raises(RuntimeError, match=">= 0"):
+        int4_linear.set_q8_gemm_wide_rows(-1)
+    assert isinstance(int4_linear.q8_gemm_has_wide_tiles(), bool)
 
 
 @pytest.mark.parametrize("m,n,k", [(2, 50, 576), (12, 64, 576), (40, 130, 576), (97, 200, 576), (16, 100, 1536),
