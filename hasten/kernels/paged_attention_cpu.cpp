@@ -57,8 +57,8 @@ inline void prefetch_block(const scalar_t* kp, const scalar_t* vp, int64_t base,
   constexpr int64_t line = 64 / sizeof(scalar_t);
   for (int64_t j = 0; j < bs; ++j) {
     for (int64_t i = 0; i < width; i += line) {
-      __builtin_prefetch(kp + base + j * row + i);
-      __builtin_prefetch(vp + base + j * row + i);
+      __builtin_prefetch(kp + base + j * row + i, 0, 2);
+      __builtin_prefetch(vp + base + j * row + i, 0, 2);
     }
   }
 }

@@ -389,6 +389,36 @@ inline void q8_gemm_tile_int8(const int8_t* xq, const float* xd, const int32_t* 
 }
 #endif
 
+#if defined(HASTEN_Q8_TILE2)
+// The int8 tile above over two packed blocks at once (16 weight rows per 512-bit register), up to 8
+// rows of x: as q8_gemm_tile16 for int4 weights.
+template <int MR>
+inline void q8_gemm_tile16_int8(const int8_t* xq, const float* xd, const int32_t* xsum, int64_t K, const int8_t* w0,
+                                const int8_t* w1, const float* s0, const float* s1, float* out, int64_t ldo,
+                                int64_t cols1) {
+  const int64_t C = K / kChunk;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i run[MR];
+    for (int r = 0; r < MR; ++r) run[r] = _mm512_setzero_si512();
+    for (int64_t kb = 8 * c; kb < 8 * c + 8; ++kb) {
+      const __m512i u = _mm512_xor_si512(load_pair(reinterpret_cast<const uint8_t*>(w0 + kb * 32),
+                                                   reinterpret_cast<const uint8_t*>(w1 + kb * 32)), bias);  // w + 128
+      for (int r = 0; r < MR; ++r) run[r] = _mm512_dpbusd_epi32(run[r], u, broadcast4_512(xq + r * K + kb * 4));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512i sums = _mm512_sub_epi32(run[r], _mm512_set1_epi32(128 * xsum[r * C + c]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(xd[r * C + c]), acc[r]);
+    }
+  }
+  const __m512 sv = load_pair_ps(s0, s1);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (8 + cols1)) - 1u);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, tail, _mm512_mul_ps(acc[r], sv));
+}
+#endif
+
 void q8_gemm_row_int8_generic(const int8_t* xq, const float* xd, int64_t K, const int8_t* w, const float* scales,
                               float* out, int64_t cols) {
   const int64_t C = K / kChunk;
@@ -458,6 +488,22 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scales8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(HASTEN_Q8_TILE2)
+  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
+  if (wide_rows > 0 && M >= wide_rows) {
+    const int64_t bytes = (K / 4) * 32;
+    over_block_pairs(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      q8_gemm_tile16_int8<R>(xqp + m * K, xdp + m * C, xsum.data() + m * C, K, wp + nb * bytes, wp + (nb + 1) * bytes,
+                             sp + nb * 8, sp + nb * 8 + 8, yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8 - 8));
+    }, [&](auto rows, int64_t nb, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      q8_gemm_tile_int8<R>(xqp + m * K, xdp + m * C, xsum.data() + m * C, K, wp + nb * bytes, sp + nb * 8,
+                           yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8));
+    });
+    return y;
+  }
+#endif
   over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
     const int8_t* w = wp + nb * (K / 4) * 32;

@@ -12,6 +12,12 @@ from hasten.quant.kernels import Int4HastenLinear, make_layer, resolve_int4_kern
 pytestmark = pytest.mark.skipif(int4_linear.load() is None, reason="C++ int4 kernel cannot be built here")
 
 
+@pytest.fixture
+def restore_wide_rows():
+    yield
+    int4_linear.set_q8_gemm_wide_rows(12)
+
+
 def random_weight(gen, n, k, group):
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).half()
@@ -221,21 +227,24 @@ def test_int8_kernel_matches_reference(m, n, k):
 def q8_runs(x):
     """x rounded to int8 per 32 values, as the kernels do (values, not codes), in float64."""
     m, k = x.shape
-    runs = x.double().view(m, k // 32, 32)
+    runs = x.float().view(m, k // 32, 32)  # the kernels' float32 steps, as q8_reference
     d = runs.abs().amax(-1, keepdim=True) / 127
-    return (torch.where(d > 0, torch.round(runs / d.clamp_min(1e-300)), 0) * d).view(m, k)
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
+    return (torch.round(runs * inv).double() * d.double()).view(m, k)
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16])
-@pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (8, 96), (3, 32)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 13, 40])
+@pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (8, 96), (3, 32), (24, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int8_q8_gemm_matches_reference(m, n, k, threads):
+@pytest.mark.parametrize("wide_rows", [0, 12])
+def test_int8_q8_gemm_matches_reference(m, n, k, threads, wide_rows, restore_wide_rows):
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)  # -128 included: the extremes
     scales = torch.rand(n, generator=gen) * 0.02 + 0.001
     x = torch.randn(m, k, generator=gen) * 3
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    int4_linear.set_q8_gemm_wide_rows(wide_rows)  # 12: from 12 rows the 16-row AVX-512 tiles
     try:
         y = int4_linear.int8_linear_q8_gemm(x, *int4_linear.int8_pack_rows8(q, scales), n)
     finally:
