@@ -575,6 +575,50 @@ inline void q8g_gemm_tile(const int8_t* xq, const float* xd, const float* xs, in
 }
 #endif
 
+#if defined(HASTEN_Q8_TILE2)
+// The grouped tile above over two packed blocks at once (16 weight rows per 512-bit register), up
+// to 8 rows of x. AVX-512 has no byte sign instruction, so the signed codes go in as w + 128 and
+// 128 times x's integer sum over each group's positions comes off again (xsum: per row, run and
+// group half).
+template <int MR, bool Half>
+inline void q8g_gemm_tile16(const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, int64_t K,
+                            int64_t G, const int8_t* w0, const int8_t* w1, const float* s0, const float* s1,
+                            const float* m0, const float* m1, float* out, int64_t ldo, int64_t cols1) {
+  const int64_t C = K / kChunk;
+  constexpr int NH = Half ? 2 : 1;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i run[NH][MR];
+    for (int h = 0; h < NH; ++h)
+      for (int r = 0; r < MR; ++r) run[h][r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t kb = 8 * c + j;
+      const int h = Half && (j & 2) ? 1 : 0;
+      const __m512i u = _mm512_xor_si512(load_pair(reinterpret_cast<const uint8_t*>(w0 + kb * 32),
+                                                   reinterpret_cast<const uint8_t*>(w1 + kb * 32)), bias);
+      for (int r = 0; r < MR; ++r) run[h][r] = _mm512_dpbusd_epi32(run[h][r], u, broadcast4_512(xq + r * K + kb * 4));
+    }
+    for (int h = 0; h < NH; ++h) {
+      const int64_t g = Half ? 2 * c + h : c;
+      const __m512 sv = load_pair_ps(s0 + g * 8, s1 + g * 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i sums = _mm512_sub_epi32(run[h][r], _mm512_set1_epi32(128 * xsum[(r * C + c) * NH + h]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * C + c])), acc[r]);
+      }
+    }
+  }
+  if (m0 != nullptr)
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 mv = load_pair_ps(m0 + g * 8, m1 + g * 8);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * G + g]), acc[r]);
+    }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (8 + cols1)) - 1u);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, tail, acc[r]);
+}
+#endif
+
 void q8g_gemm_row_generic(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, bool half,
                           const int8_t* w, const float* s8, const float* m8, float* out, int64_t cols) {
   const int64_t C = K / kChunk;
@@ -653,6 +697,40 @@ at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, c
   const float* mp = mins8.numel() ? mins8.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool half = group == 16;
+#if defined(HASTEN_Q8_TILE2)
+  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
+  if (wide_rows > 0 && M >= wide_rows) {
+    // x's integer sums per run (group 16: per half, the 4-byte steps j with j & 2 clear or set)
+    const int64_t NH = half ? 2 : 1, bytes = (K / 4) * 32;
+    std::vector<int32_t> xsum(M * C * NH, 0);
+    for (int64_t i = 0; i < M * C; ++i)
+      for (int64_t p = 0; p < kChunk; ++p) xsum[i * NH + (half && (p & 8) ? 1 : 0)] += xqp[i * kChunk + p];
+    over_block_pairs(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      const int8_t* w0 = wp + nb * bytes;
+      const float* m0 = mp != nullptr ? mp + nb * G * 8 : nullptr;
+      const float* m1 = mp != nullptr ? mp + (nb + 1) * G * 8 : nullptr;
+      const int64_t cols1 = std::min<int64_t>(8, N - nb * 8 - 8);
+      if (half)
+        q8g_gemm_tile16<R, true>(xqp + m * K, xdp + m * C, xsp + m * G, xsum.data() + m * C * NH, K, G, w0, w0 + bytes,
+                                 sp + nb * G * 8, sp + (nb + 1) * G * 8, m0, m1, yp + m * N + nb * 8, N, cols1);
+      else
+        q8g_gemm_tile16<R, false>(xqp + m * K, xdp + m * C, xsp + m * G, xsum.data() + m * C * NH, K, G, w0, w0 + bytes,
+                                  sp + nb * G * 8, sp + (nb + 1) * G * 8, m0, m1, yp + m * N + nb * 8, N, cols1);
+    }, [&](auto rows, int64_t nb, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      const float* m8 = mp != nullptr ? mp + nb * G * 8 : nullptr;
+      const int64_t cols = std::min<int64_t>(8, N - nb * 8);
+      if (half)
+        q8g_gemm_tile<R, true>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, wp + nb * bytes, sp + nb * G * 8, m8,
+                               yp + m * N + nb * 8, N, cols);
+      else
+        q8g_gemm_tile<R, false>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, wp + nb * bytes, sp + nb * G * 8, m8,
+                                yp + m * N + nb * 8, N, cols);
+    });
+    return y;
+  }
+#endif
   over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
     const int8_t* w = wp + nb * (K / 4) * 32;
