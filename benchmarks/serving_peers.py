@@ -4,6 +4,7 @@ Each server runs alone (the others stopped), with its best settings on the defau
   hasten     hasten serve GGUF --quantization gguf --kv-cache-dtype float16 (+ --hasten-arg ...)
   vllm-cpu   python -m vllm.entrypoints.openai.api_server --model HF_FOLDER --dtype bfloat16, with
              VLLM_TARGET_DEVICE=cpu VLLM_CPU_NUM_OF_RESERVED_CPU=0 OMP_NUM_THREADS=<threads>
+             VLLM_CPU_KVCACHE_SPACE=<--vllm-kv-gib, 4>
              (HF_FOLDER: the float folder hasten writes for the GGUF; bf16 weights of the same model)
   llama.cpp  llama-server -m GGUF -np <max concurrency> -cb -t <threads> (LLAMA_ARG_REPACK=false where
              its AMX path dies; see _servers.llama_server_setting)
@@ -71,7 +72,11 @@ def server_for(name: str, args: argparse.Namespace, gguf: Path, folder: Path, lo
             return "no --vllm-python given"
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
-        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": threads}
+        # VLLM_CPU_KVCACHE_SPACE (GiB): left unset vLLM-CPU sizes its KV cache from free memory (~21 GiB on
+        # a 24 GiB machine) and at 32 concurrent the worker swapped and slowed to ~3 tok/s; 4 GiB holds
+        # ~180,000 tokens of this model, far more than any point here needs
+        env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": threads,
+               "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
         return ManagedServer(name, cmd, port, log_dir, env)
     try:
         binary = find_llama_server(args.llama_server)
@@ -91,13 +96,16 @@ def bench(args: argparse.Namespace, url: str, folder: Path, out: Path, extra: li
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--base-url", url,
            "--model", MODEL_NAME, "--tokenizer", str(folder), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--goodput", "ttft:1000", "tpot:100", "--disable-tqdm",
-           "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, *extra]
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, *extra]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=args.point_timeout)
     return json.loads(out.read_text())
 
 
 def points(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """Each point's client arguments, with a seed of its own: every server gets the same prompts at a
+    point, and no point reuses another's (the random dataset draws the same prompts from the same
+    seed, so one seed for all would serve later points from the prefix cache of earlier ones)."""
     rnd = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128", "--ignore-eos"]
     found = [(f"random c{c}", [*rnd, "--num-prompts", str(max(8, 4 * c)), "--max-concurrency", str(c)])
              for c in args.concurrency]
@@ -108,7 +116,7 @@ def points(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "--max-concurrency", str(args.prefix_concurrency)]))
     found += [(f"poisson {r:g}/s", [*rnd, "--num-prompts", str(args.sweep_prompts), "--request-rate", str(r)])
               for r in args.rates]
-    return found
+    return [(label, [*extra, "--seed", str(i + 1)]) for i, (label, extra) in enumerate(found)]
 
 
 def run_server(name: str, args: argparse.Namespace, gguf: Path, folder: Path, out_dir: Path, rnd: int,
@@ -178,6 +186,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=os.environ.get("HASTEN_VLLM_PYTHON"),
                     help="python of the vllm-cpu venv (its `vllm bench serve` is the client for every server)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--only", default=",".join(SERVERS), help="comma-separated servers to run")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32])

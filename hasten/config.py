@@ -54,7 +54,7 @@ class EngineConfig:
     quant_q8_gemm: bool = True  # int8-activation int4 layers: 2+ rows in int8 too (u8 x s8 GEMM; False: float32 GEMM)
     # AVX-512 VNNI: from this many rows of x (prefill chunks, decode batches) the int4 x int8 GEMM takes
     # 16 weight rows per register and up to 8 rows of x per tile (0: the 8-row tiles throughout)
-    quant_q8_gemm_wide_rows: int = 12
+    quant_q8_gemm_wide_rows: int = 8
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     # wide calls (prefill chunks, big decode batches) in bfloat16 against a bfloat16 copy of each quantized
     # weight (+2 bytes per weight): auto = on where the CPU has AMX tiles | on | off

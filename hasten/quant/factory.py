@@ -230,7 +230,7 @@ class QuantizingFactory:
 def engine_linear_factory(config, model_folder: Path, dtype: torch.dtype) -> LinearFactory:
     """How the engine stores each projection: `config.quantization`'s layers, else the float backend's.
     Applies the process-wide kernel switch quant_q8_gemm_wide_rows too."""
-    wide_rows = int(getattr(config, "quant_q8_gemm_wide_rows", 12))
+    wide_rows = int(getattr(config, "quant_q8_gemm_wide_rows", 8))
     if wide_rows < 0:
         raise ValueError(f"quant_q8_gemm_wide_rows must be >= 0 (0: off), not {wide_rows}")
     from hasten.kernels.quant_linear import set_q8_gemm_wide_rows

@@ -55,7 +55,7 @@ def test_q4k_maps_onto_int4_as_ggml_dequantizes(n, k, seed):
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 50, 64), (3, 97, 576), (5, 8, 96), (16, 3, 32), (4, 33, 256),
                                          (13, 50, 64), (40, 97, 576), (12, 24, 96), (17, 16, 256)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("wide_rows", [0, 12])  # 12: from 12 rows of x the 16-row AVX-512 tiles
+@pytest.mark.parametrize("wide_rows", [0, 8])  # 8: from 8 rows of x the 16-row AVX-512 tiles
 def test_grouped_int8_kernel_matches_reference(group, with_mins, m, n, k, threads, wide_rows):
     gen = torch.Generator().manual_seed(m * 131 + n * 7 + k + group)
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -70,7 +70,7 @@ def test_grouped_int8_kernel_matches_reference(group, with_mins, m, n, k, thread
         rows8 = quant_linear.int8g_pack_rows8(q, scales, mins, group)
         y = quant_linear.int8g_linear_q8_gemm(x, *rows8, group, n)
     finally:
-        quant_linear.set_q8_gemm_wide_rows(12)
+        quant_linear.set_q8_gemm_wide_rows(8)
         torch.set_num_threads(before)
     codes = (q.double().view(n, k // group, group) * scales.double()[..., None]).view(n, k)
     want = q8_runs(x) @ codes.t()  # x rounded per 32, products exact

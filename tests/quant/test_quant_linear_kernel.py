@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(int4_linear.load() is None, reason="C++ int4 ker
 @pytest.fixture
 def restore_wide_rows():
     yield
-    int4_linear.set_q8_gemm_wide_rows(12)
+    int4_linear.set_q8_gemm_wide_rows(8)
 
 
 def random_weight(gen, n, k, group):
@@ -77,7 +77,7 @@ def test_int4_kernel_matches_reference(m, n, k, group, threads, variant):
         assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("wide_rows", [0, 1, 12])
+@pytest.mark.parametrize("wide_rows", [0, 1, 8])
 @pytest.mark.parametrize("m", [1, 7, 8, 12, 13, 23, 64, 65, 131])
 @pytest.mark.parametrize("n,k,group", [(8, 64, 32), (16, 576, 32), (24, 96, 32), (33, 576, 32), (100, 1536, 64),
                                        (200, 256, 128)])
@@ -98,7 +98,7 @@ def test_int4_q8_gemm_wide_tiles_match_reference(m, n, k, group, wide_rows):
         int4_linear.set_q8_gemm_wide_rows(0)
         narrow = q8_gemm(x, pack_nibbles(codes), scales, mins, group)
     finally:
-        int4_linear.set_q8_gemm_wide_rows(12)
+        int4_linear.set_q8_gemm_wide_rows(8)
         torch.set_num_threads(before)
     want = q8_reference(x, codes, scales, mins, group)
     assert not torch.isnan(y).any()
@@ -236,7 +236,7 @@ def q8_runs(x):
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 13, 40])
 @pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (8, 96), (3, 32), (24, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("wide_rows", [0, 12])
+@pytest.mark.parametrize("wide_rows", [0, 8])
 def test_int8_q8_gemm_matches_reference(m, n, k, threads, wide_rows, restore_wide_rows):
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)  # -128 included: the extremes
@@ -244,7 +244,7 @@ def test_int8_q8_gemm_matches_reference(m, n, k, threads, wide_rows, restore_wid
     x = torch.randn(m, k, generator=gen) * 3
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    int4_linear.set_q8_gemm_wide_rows(wide_rows)  # 12: from 12 rows the 16-row AVX-512 tiles
+    int4_linear.set_q8_gemm_wide_rows(wide_rows)  # 8: from 8 rows the 16-row AVX-512 tiles
     try:
         y = int4_linear.int8_linear_q8_gemm(x, *int4_linear.int8_pack_rows8(q, scales), n)
     finally:
