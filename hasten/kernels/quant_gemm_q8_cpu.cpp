@@ -139,7 +139,7 @@ inline void q8_gemm_tile(const int8_t* xq, const float* xd, const float* xs, int
 #endif
       }
     }
-    const __m256 sv = _mm256_loadu_ps(s8 + (c / per_group) * 8);
+    const __m256 sv = _mm256_loadu_ps(s8 + (per_group == 1 ? c : c / per_group) * 8);
     for (int r = 0; r < MR; ++r) {
 #if defined(HASTEN_Q8_VNNI)
       const __m256i sums = run[r];
@@ -203,7 +203,7 @@ inline void q8_gemm_tile16(const int8_t* xq, const float* xd, const float* xs, i
         run[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(run[r], lo, broadcast4_512(xr)), hi, broadcast4_512(xr + 4));
       }
     }
-    const int64_t g = c / per_group;
+    const int64_t g = per_group == 1 ? c : c / per_group;  // a GGUF's group 32: no division per run
     const __m512 sv = load_pair_ps(s0 + g * 8, s1 + g * 8);
     for (int r = 0; r < MR; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[r]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * C + c])), acc[r]);
