@@ -52,8 +52,8 @@ class EngineConfig:
     quant_int4_kernel: str = "auto"  # auto | hasten (C++ AVX2, float32 activations) | torch (aten, bf16 activations)
     quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 x, exact) | hasten-q8 (int8 x) | torch (aten, bf16 x); auto = hasten, GGUF Q8_0: hasten-q8
     quant_q8_gemm: bool = True  # int8-activation int4 layers: 2+ rows in int8 too (u8 x s8 GEMM; False: float32 GEMM)
-    # AVX-512 VNNI: from this many rows of x (prefill chunks, decode batches) the int4 x int8 GEMM takes
-    # 16 weight rows per register and up to 8 rows of x per tile (0: the 8-row tiles throughout)
+    # AVX-512 VNNI: from this many rows of x (prefill chunks, decode batches) the int8-activation GEMMs
+    # take 16 weight rows per register and up to 8 rows of x per tile (0: the 8-row tiles throughout)
     quant_q8_gemm_wide_rows: int = 8
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     # wide calls (prefill chunks, big decode batches) in bfloat16 against a bfloat16 copy of each quantized

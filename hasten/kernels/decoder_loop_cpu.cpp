@@ -288,7 +288,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8g_linear_q8_gemm", &int8g_linear_q8_gemm, nogil,
         "y = x W^T for grouped int8 W (scale and min per group) with x quantized to int8 per 32 values");
   m.def("set_q8_gemm_wide_rows", &set_q8_gemm_wide_rows, arg("rows"),
-        "rows of x from which the int4 x int8 GEMM takes its AVX-512 16-row tiles (0: never)");
+        "rows of x from which the int8-activation GEMMs take their AVX-512 16-row tiles (0: never)");
   m.def("q8_gemm_has_wide_tiles", &q8_gemm_has_wide_tiles, "whether this build has the AVX-512 16-row tiles");
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
   m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,

@@ -59,12 +59,20 @@ inline void over_blocks8(int64_t N8, int64_t M, const Tile& tile) {
 // ~8 rows the 8-row tiles were faster (30 SmolLM2 layers, weights from memory, 2 EPYC cores).
 std::atomic<int64_t> g_wide_rows{8};
 
-// Pairs of blocks (16 weight rows) for the two-block tiles: pair(R, nb, m) for blocks nb, nb + 1,
-// single(R, nb, m) for a last odd block; x in panels of kPanelRows rows, so that a panel stays in
-// the core's cache while every pair of this thread's blocks passes over it.
+// Whether a call with M rows of x takes the two-block tiles (builds that have them).
+inline bool takes_wide_tiles(int64_t M) {
+  const int64_t rows = g_wide_rows.load(std::memory_order_relaxed);
+  return rows > 0 && M >= rows;
+}
+
+// Pairs of blocks (16 weight rows) for the two-block tiles: pair(R, nb, m, ahead) for blocks nb, nb + 1,
+// single(R, nb, m) (a call of the 8-row tiles) for a last odd block; x in panels of kPanelRows rows,
+// so that a panel stays in the core's cache while every pair of this thread's blocks passes over it.
+// `ahead` (block_bytes: one packed block's size) is the distance to the next pair's weights in the
+// first tile of a panel, for the tile to prefetch them, else 0.
 constexpr int64_t kPanelRows = 64;
 template <typename Pair, typename Single>
-inline void over_block_pairs(int64_t N8, int64_t M, const Pair& pair, const Single& single) {
+inline void over_block_pairs(int64_t N8, int64_t M, int64_t block_bytes, const Pair& pair, const Single& single) {
   const int64_t P = (N8 + 1) / 2;
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
@@ -74,7 +82,7 @@ inline void over_block_pairs(int64_t N8, int64_t M, const Pair& pair, const Sing
         for (int64_t m = m0; m < m1;) {
           const int64_t left = m1 - m;
           auto call = [&](auto R) {
-            if (nb + 1 < N8) pair(R, nb, m);
+            if (nb + 1 < N8) pair(R, nb, m, m == m0 && nb + 3 < N8 ? 2 * block_bytes : 0);
             else single(R, nb, m);
             m += decltype(R)::value;
           };
@@ -186,7 +194,7 @@ inline __m512i broadcast4_512(const int8_t* p) {
 template <int MR>
 inline void q8_gemm_tile16(const int8_t* xq, const float* xd, const float* xs, int64_t K, int64_t G, int64_t per_group,
                            const uint8_t* w0, const uint8_t* w1, const float* s0, const float* s1, const float* m0,
-                           const float* m1, float* out, int64_t ldo, int64_t cols1, int64_t ahead = 0) {
+                           const float* m1, float* out, int64_t ldo, int64_t cols1, int64_t ahead) {
   const int64_t C = K / kChunk;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MR];
@@ -316,27 +324,11 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const float* sp = scales8.data_ptr<float>();
   const float* mp = mins8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-#if defined(HASTEN_Q8_TILE2)
-  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
-  if (wide_rows > 0 && M >= wide_rows) {
-    over_block_pairs(N8, M, [&](auto rows, int64_t nb, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      const int64_t bytes = (K / 8) * 32;
-      q8_gemm_tile16<R>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, per_group, wp + nb * bytes, wp + (nb + 1) * bytes,
-                       sp + nb * G * 8, sp + (nb + 1) * G * 8, mp + nb * G * 8, mp + (nb + 1) * G * 8,
-                       yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8 - 8),
-                       m % kPanelRows == 0 && nb + 3 < N8 ? 2 * bytes : 0);
-    }, [&](auto rows, int64_t nb, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      q8_gemm_tile<R>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, per_group, wp + nb * (K / 8) * 32, sp + nb * G * 8,
-                      mp + nb * G * 8, yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8));
-    });
-    return y;
-  }
-#endif
-  over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+  const int64_t bytes = (K / 8) * 32;  // one packed block
+  // the 8-row tiles over block nb, rows m .. m + R of x
+  auto narrow = [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
-    const uint8_t* w = wp + nb * (K / 8) * 32;
+    const uint8_t* w = wp + nb * bytes;
     const float* s8 = sp + nb * G * 8;
     const float* m8 = mp + nb * G * 8;
     const int64_t cols = std::min<int64_t>(8, N - nb * 8);
@@ -350,7 +342,19 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
     for (int r = 0; r < R; ++r)
       q8_gemm_row_generic(xr + r * K, dr + r * C, sr + r * G, K, G, per_group, w, s8, m8, out + r * N, cols);
 #endif
-  });
+  };
+#if defined(HASTEN_Q8_TILE2)
+  if (takes_wide_tiles(M)) {
+    over_block_pairs(N8, M, bytes, [&](auto rows, int64_t nb, int64_t m, int64_t ahead) {
+      constexpr int R = decltype(rows)::value;
+      q8_gemm_tile16<R>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, per_group, wp + nb * bytes, wp + (nb + 1) * bytes,
+                        sp + nb * G * 8, sp + (nb + 1) * G * 8, mp + nb * G * 8, mp + (nb + 1) * G * 8,
+                        yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8 - 8), ahead);
+    }, narrow);
+    return y;
+  }
+#endif
+  over_blocks8(N8, M, narrow);
   return y;
 }
 
@@ -499,26 +503,11 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scales8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-#if defined(HASTEN_Q8_TILE2)
-  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
-  if (wide_rows > 0 && M >= wide_rows) {
-    const int64_t bytes = (K / 4) * 32;
-    over_block_pairs(N8, M, [&](auto rows, int64_t nb, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      q8_gemm_tile16_int8<R>(xqp + m * K, xdp + m * C, xsum.data() + m * C, K, wp + nb * bytes, wp + (nb + 1) * bytes,
-                             sp + nb * 8, sp + nb * 8 + 8, yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8 - 8),
-                             m % kPanelRows == 0 && nb + 3 < N8 ? 2 * bytes : 0);
-    }, [&](auto rows, int64_t nb, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      q8_gemm_tile_int8<R>(xqp + m * K, xdp + m * C, xsum.data() + m * C, K, wp + nb * bytes, sp + nb * 8,
-                           yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8));
-    });
-    return y;
-  }
-#endif
-  over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+  const int64_t bytes = (K / 4) * 32;  // one packed block
+  // the 8-row tiles over block nb, rows m .. m + R of x
+  auto narrow = [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
-    const int8_t* w = wp + nb * (K / 4) * 32;
+    const int8_t* w = wp + nb * bytes;
     const float* s8 = sp + nb * 8;
     const int64_t cols = std::min<int64_t>(8, N - nb * 8);
     const int8_t* xr = xqp + m * K;
@@ -529,7 +518,19 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
 #else
     for (int r = 0; r < R; ++r) q8_gemm_row_int8_generic(xr + r * K, dr + r * C, K, w, s8, out + r * N, cols);
 #endif
-  });
+  };
+#if defined(HASTEN_Q8_TILE2)
+  if (takes_wide_tiles(M)) {
+    over_block_pairs(N8, M, bytes, [&](auto rows, int64_t nb, int64_t m, int64_t ahead) {
+      constexpr int R = decltype(rows)::value;
+      q8_gemm_tile16_int8<R>(xqp + m * K, xdp + m * C, xsum.data() + m * C, K, wp + nb * bytes, wp + (nb + 1) * bytes,
+                             sp + nb * 8, sp + nb * 8 + 8, yp + m * N + nb * 8, N, std::min<int64_t>(8, N - nb * 8 - 8),
+                             ahead);
+    }, narrow);
+    return y;
+  }
+#endif
+  over_blocks8(N8, M, narrow);
   return y;
 }
 
@@ -711,44 +712,11 @@ at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, c
   const float* mp = mins8.numel() ? mins8.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool half = group == 16;
-#if defined(HASTEN_Q8_TILE2)
-  const int64_t wide_rows = g_wide_rows.load(std::memory_order_relaxed);
-  if (wide_rows > 0 && M >= wide_rows) {
-    // x's integer sums per run (group 16: per half, the 4-byte steps j with j & 2 clear or set)
-    const int64_t NH = half ? 2 : 1, bytes = (K / 4) * 32;
-    std::vector<int32_t> xsum(M * C * NH, 0);
-    for (int64_t i = 0; i < M * C; ++i)
-      for (int64_t p = 0; p < kChunk; ++p) xsum[i * NH + (half && (p & 8) ? 1 : 0)] += xqp[i * kChunk + p];
-    over_block_pairs(N8, M, [&](auto rows, int64_t nb, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      const int8_t* w0 = wp + nb * bytes;
-      const float* m0 = mp != nullptr ? mp + nb * G * 8 : nullptr;
-      const float* m1 = mp != nullptr ? mp + (nb + 1) * G * 8 : nullptr;
-      const int64_t cols1 = std::min<int64_t>(8, N - nb * 8 - 8);
-      const int64_t ahead = m % kPanelRows == 0 && nb + 3 < N8 ? 2 * bytes : 0;
-      if (half)
-        q8g_gemm_tile16<R, true>(xqp + m * K, xdp + m * C, xsp + m * G, xsum.data() + m * C * NH, K, G, w0, w0 + bytes,
-                                 sp + nb * G * 8, sp + (nb + 1) * G * 8, m0, m1, yp + m * N + nb * 8, N, cols1, ahead);
-      else
-        q8g_gemm_tile16<R, false>(xqp + m * K, xdp + m * C, xsp + m * G, xsum.data() + m * C * NH, K, G, w0, w0 + bytes,
-                                  sp + nb * G * 8, sp + (nb + 1) * G * 8, m0, m1, yp + m * N + nb * 8, N, cols1, ahead);
-    }, [&](auto rows, int64_t nb, int64_t m) {
-      constexpr int R = decltype(rows)::value;
-      const float* m8 = mp != nullptr ? mp + nb * G * 8 : nullptr;
-      const int64_t cols = std::min<int64_t>(8, N - nb * 8);
-      if (half)
-        q8g_gemm_tile<R, true>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, wp + nb * bytes, sp + nb * G * 8, m8,
-                               yp + m * N + nb * 8, N, cols);
-      else
-        q8g_gemm_tile<R, false>(xqp + m * K, xdp + m * C, xsp + m * G, K, G, wp + nb * bytes, sp + nb * G * 8, m8,
-                                yp + m * N + nb * 8, N, cols);
-    });
-    return y;
-  }
-#endif
-  over_blocks8(N8, M, [&](auto rows, int64_t nb, int64_t m) {
+  const int64_t bytes = (K / 4) * 32;  // one packed block
+  // the 8-row tiles over block nb, rows m .. m + R of x
+  auto narrow = [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
-    const int8_t* w = wp + nb * (K / 4) * 32;
+    const int8_t* w = wp + nb * bytes;
     const float* s8 = sp + nb * G * 8;
     const float* m8 = mp != nullptr ? mp + nb * G * 8 : nullptr;
     const int64_t cols = std::min<int64_t>(8, N - nb * 8);
@@ -765,6 +733,30 @@ at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, c
     for (int r = 0; r < R; ++r)
       q8g_gemm_row_generic(xr + r * K, dr + r * C, sr + r * G, K, G, half, w, s8, m8, out + r * N, cols);
 #endif
-  });
+  };
+#if defined(HASTEN_Q8_TILE2)
+  if (takes_wide_tiles(M)) {
+    // x's integer sums per run (group 16: per half, the 4-byte steps j with j & 2 clear or set)
+    const int64_t NH = half ? 2 : 1;
+    std::vector<int32_t> xsum(M * C * NH, 0);
+    for (int64_t i = 0; i < M * C; ++i)
+      for (int64_t p = 0; p < kChunk; ++p) xsum[i * NH + (half && (p & 8) ? 1 : 0)] += xqp[i * kChunk + p];
+    over_block_pairs(N8, M, bytes, [&](auto rows, int64_t nb, int64_t m, int64_t ahead) {
+      constexpr int R = decltype(rows)::value;
+      const int8_t* w0 = wp + nb * bytes;
+      const float* m0 = mp != nullptr ? mp + nb * G * 8 : nullptr;
+      const float* m1 = mp != nullptr ? mp + (nb + 1) * G * 8 : nullptr;
+      const int64_t cols1 = std::min<int64_t>(8, N - nb * 8 - 8);
+      if (half)
+        q8g_gemm_tile16<R, true>(xqp + m * K, xdp + m * C, xsp + m * G, xsum.data() + m * C * NH, K, G, w0, w0 + bytes,
+                                 sp + nb * G * 8, sp + (nb + 1) * G * 8, m0, m1, yp + m * N + nb * 8, N, cols1, ahead);
+      else
+        q8g_gemm_tile16<R, false>(xqp + m * K, xdp + m * C, xsp + m * G, xsum.data() + m * C * NH, K, G, w0, w0 + bytes,
+                                  sp + nb * G * 8, sp + (nb + 1) * G * 8, m0, m1, yp + m * N + nb * 8, N, cols1, ahead);
+    }, narrow);
+    return y;
+  }
+#endif
+  over_blocks8(N8, M, narrow);
   return y;
 }

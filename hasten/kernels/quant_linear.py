@@ -39,7 +39,8 @@ def int4_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
 
 
 def set_q8_gemm_wide_rows(rows: int) -> None:
-    """From `rows` rows of x on, int4_linear_q8_gemm multiplies 16 weight rows per AVX-512 register
+    """From `rows` rows of x on, the int8-activation GEMMs (int4_linear_q8_gemm, int8_linear_q8_gemm,
+    int8g_linear_q8_gemm) multiply 16 weight rows per AVX-512 register
     (two packed blocks per tile, up to 8 rows of x: independent integer chains); 0: always the 8-row
     tiles. Process-wide (EngineConfig.quant_q8_gemm_wide_rows); a build without AVX-512 VNNI ignores it."""
     mod = _ext.module or load()
