@@ -1,0 +1,146 @@
+"""The int8-activation GEMM tiles and what they do to the engine, on the default model's shapes.
+
+    python benchmarks/int8_gemm_tiles.py [--threads 2] [--rounds 2] [--skip-engine]
+
+1. SmolLM2's four int4 projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) through
+   int4_linear_q8_gemm at 16, 64 and 256 rows, weights in cache: the 8-row tiles
+   (quant_q8_gemm_wide_rows=0) against the 16-row tiles (8), and oneDNN's bfloat16 F.linear;
+2. the same over 30 layers of distinct weights (from memory) at 4, 16 and 64 rows;
+3. paged decode attention, 16 sequences x 300 tokens, 30 layers of float16 KV from memory;
+4. (unless --skip-engine) the GGUF engine: one 256-token prefill (best of 4) and a 16-sequence decode
+   step at 300 tokens (mean of 20), quant_q8_gemm_wide_rows=0 fast_silu=False against the defaults,
+   --rounds interleaved rounds.
+Best of several repeats for 1-3; the machine is noisy, read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _servers import find_gguf  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def best_s(fn, repeats: int = 5, inner: int = 1) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t) / inner)
+    return best
+
+
+def packed_layers(layers: int, gen: torch.Generator) -> list[tuple]:
+    from hasten.kernels.quant_linear import int4_pack_rows8
+
+    out = []
+    for _ in range(layers):
+        for n, k in SHAPES:
+            codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+            scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half()
+            mins = (-torch.rand(n, k // 32, generator=gen) * 0.1).half()
+            out.append((n, k, *int4_pack_rows8(codes, scales, mins, 32)))
+    return out
+
+
+def gemm_rates(layers: list[tuple], rows: int, wide: int, gen: torch.Generator) -> float:
+    """GMAC/s of int4_linear_q8_gemm over `layers` (one pass) at `rows` rows of x."""
+    from hasten.kernels.quant_linear import int4_linear_q8_gemm, set_q8_gemm_wide_rows
+
+    xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+    set_q8_gemm_wide_rows(wide)
+    try:
+        sec = best_s(lambda: [int4_linear_q8_gemm(xs[k], p, s, m, 32, n) for n, k, p, s, m in layers],
+                     inner=20 if len(layers) <= 4 else 1)
+    finally:
+        set_q8_gemm_wide_rows(8)
+    return sum(rows * n * k for n, k, *_ in layers) / sec / 1e9
+
+
+def bf16_rate(rows: int, gen: torch.Generator) -> float:
+    ws = [(torch.randn(n, k, generator=gen).bfloat16(), torch.randn(rows, k, generator=gen).bfloat16()) for n, k in SHAPES]
+    sec = best_s(lambda: [torch.nn.functional.linear(x, w) for w, x in ws], inner=20)
+    return sum(rows * n * k for n, k in SHAPES) / sec / 1e9
+
+
+def decode_attention_ms() -> float:
+    from hasten.kernels import cpu_attention
+
+    mod = cpu_attention.load()
+    seqs, ctx, bs, heads, kv_heads, d, layers, pool = 16, 300, 16, 9, 3, 64, 30, 1500
+    caches = [(torch.randn(pool, bs, kv_heads, d).half(), torch.randn(pool, bs, kv_heads, d).half())
+              for _ in range(layers)]
+    nb = -(-ctx // bs)
+    tables = torch.randperm(pool)[: seqs * nb].view(seqs, nb).to(torch.int32)
+    q = torch.randn(seqs, heads, d)
+    qs, cl = torch.arange(seqs + 1), torch.full((seqs,), ctx)
+    return best_s(lambda: [mod.paged_attention(q, k, v, tables, qs, cl, 0.125) for k, v in caches], repeats=10) * 1e3
+
+
+def engine_ab(options: dict) -> tuple[float, float]:
+    from hasten import LLM, SamplingParams
+
+    llm = LLM(str(find_gguf()), quantization="gguf", kv_cache_dtype="float16", enable_prefix_caching=False, **options)
+    rng = random.Random(0)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    prefill = best_s(lambda: llm.generate([[rng.randrange(100, 40000) for _ in range(256)]], one, use_tqdm=False),
+                     repeats=4)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+    for i in range(16):
+        engine.add_request(f"r{i}", [(i * 7 + j) % 5000 + 100 for j in range(300)], params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        engine.step()
+    return prefill * 1e3, (time.perf_counter() - t0) / 20 * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-engine", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from hasten.kernels.quant_linear import q8_gemm_has_wide_tiles
+
+    print(f"16-row tiles in this build: {q8_gemm_has_wide_tiles()}")
+    gen = torch.Generator().manual_seed(0)
+    hot = packed_layers(1, gen)
+    print("1. four projections, weights cached (GMAC/s): rows | 8-row tiles | 16-row tiles | bf16 F.linear")
+    for rows in (16, 64, 256):
+        narrow, wide = gemm_rates(hot, rows, 0, gen), gemm_rates(hot, rows, 8, gen)
+        print(f"   {rows:4d} | {narrow:6.0f} | {wide:6.0f} ({wide / narrow:.2f}x) | {bf16_rate(rows, gen):6.0f}")
+    cold = packed_layers(30, gen)
+    print("2. 30 layers from memory (GMAC/s): rows | 8-row tiles | 16-row tiles")
+    for rows in (4, 16, 64):
+        narrow, wide = gemm_rates(cold, rows, 0, gen), gemm_rates(cold, rows, 8, gen)
+        print(f"   {rows:4d} | {narrow:6.0f} | {wide:6.0f} ({wide / narrow:.2f}x)")
+    del cold
+    print(f"3. decode attention, 16 x 300 tokens, 30 layers of float16 KV from memory: {decode_attention_ms():.2f} ms")
+    if args.skip_engine:
+        return
+    configs = {"wide_rows=0 fast_silu=False": {"quant_q8_gemm_wide_rows": 0, "fast_silu": False}, "defaults": {}}
+    print("4. GGUF engine: 256-token prefill (ms) | decode step, 16 x 300 tokens (ms)")
+    for rnd in range(args.rounds):
+        for name, options in configs.items():
+            prefill, step = engine_ab({"num_threads": args.threads, **options})
+            print(f"   round {rnd} {name:28s} {prefill:7.1f} | {step:5.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
