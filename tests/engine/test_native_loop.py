@@ -112,3 +112,9 @@ def test_fast_silu_only_where_the_down_projection_rounds(tiny_models, tmp_path, 
     a, b = sequence_logits(on.engine.model, IDS), sequence_logits(off.engine.model, IDS)
     float_x = sequence_logits(LLM(model, **{**q8, "quant_int4_kernel": "hasten"}).engine.model, IDS)
     assert 0 < (b - float_x).abs().max() and (a - b).abs().max() < 0.5 * (b - float_x).abs().max()
+
+
+def test_wide_tile_rows_option_is_checked(tiny_models):
+    """quant_q8_gemm_wide_rows is refused below 0 with the option's name, before any layer is built."""
+    with pytest.raises(ValueError, match="quant_q8_gemm_wide_rows must be >= 0"):
+        LLM(tiny_models("llama"), quant_q8_gemm_wide_rows=-1, num_kv_blocks=64)
