@@ -25,19 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _servers import find_gguf  # noqa: E402
+from kernels_cpu import best_ms  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-
-
-def best_s(fn, repeats: int = 5, inner: int = 1) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t) / inner)
-    return best
 
 
 def packed_layers(layers: int, gen: torch.Generator) -> list[tuple]:
@@ -60,8 +50,8 @@ def gemm_rates(layers: list[tuple], rows: int, wide: int, gen: torch.Generator) 
     xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
     set_q8_gemm_wide_rows(wide)
     try:
-        sec = best_s(lambda: [int4_linear_q8_gemm(xs[k], p, s, m, 32, n) for n, k, p, s, m in layers],
-                     inner=20 if len(layers) <= 4 else 1)
+        sec = best_ms(lambda: [int4_linear_q8_gemm(xs[k], p, s, m, 32, n) for n, k, p, s, m in layers], 5,
+                      20 if len(layers) <= 4 else 1) / 1e3
     finally:
         set_q8_gemm_wide_rows(8)
     return sum(rows * n * k for n, k, *_ in layers) / sec / 1e9
@@ -69,7 +59,7 @@ def gemm_rates(layers: list[tuple], rows: int, wide: int, gen: torch.Generator) 
 
 def bf16_rate(rows: int, gen: torch.Generator) -> float:
     ws = [(torch.randn(n, k, generator=gen).bfloat16(), torch.randn(rows, k, generator=gen).bfloat16()) for n, k in SHAPES]
-    sec = best_s(lambda: [torch.nn.functional.linear(x, w) for w, x in ws], inner=20)
+    sec = best_ms(lambda: [torch.nn.functional.linear(x, w) for w, x in ws], 5, 20) / 1e3
     return sum(rows * n * k for n, k in SHAPES) / sec / 1e9
 
 
@@ -84,7 +74,7 @@ def decode_attention_ms() -> float:
     tables = torch.randperm(pool)[: seqs * nb].view(seqs, nb).to(torch.int32)
     q = torch.randn(seqs, heads, d)
     qs, cl = torch.arange(seqs + 1), torch.full((seqs,), ctx)
-    return best_s(lambda: [mod.paged_attention(q, k, v, tables, qs, cl, 0.125) for k, v in caches], repeats=10) * 1e3
+    return best_ms(lambda: [mod.paged_attention(q, k, v, tables, qs, cl, 0.125) for k, v in caches], 10, 1)
 
 
 def engine_ab(options: dict) -> tuple[float, float]:
@@ -93,8 +83,8 @@ def engine_ab(options: dict) -> tuple[float, float]:
     llm = LLM(str(find_gguf()), quantization="gguf", kv_cache_dtype="float16", enable_prefix_caching=False, **options)
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0)
-    prefill = best_s(lambda: llm.generate([[rng.randrange(100, 40000) for _ in range(256)]], one, use_tqdm=False),
-                     repeats=4)
+    prefill = best_ms(lambda: llm.generate([[rng.randrange(100, 40000) for _ in range(256)]], one, use_tqdm=False),
+                      4, 1)
     engine = llm.engine
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
     for i in range(16):
@@ -106,7 +96,7 @@ def engine_ab(options: dict) -> tuple[float, float]:
     t0 = time.perf_counter()
     for _ in range(20):
         engine.step()
-    return prefill * 1e3, (time.perf_counter() - t0) / 20 * 1e3
+    return prefill, (time.perf_counter() - t0) / 20 * 1e3
 
 
 def main() -> None:
