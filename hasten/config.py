@@ -19,7 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model context, 8192)
     # KV cache
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | float32 | float16 | bfloat16 (half the bytes per token)
+    # auto (= the model dtype) | float32 | float16 | bfloat16 (half the bytes per token) | int8 (each head's row
+    # of each token as int8 codes and an absmax scale: ~0.27x float32's bytes; C++ attention on the CPU only)
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gb
     enable_prefix_caching: bool = True

@@ -20,7 +20,7 @@ from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder, wide_attention_rows
-from hasten.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
+from hasten.model.dtypes import check_int8_kv_cache, resolve_dtype, resolve_kv_cache_dtype
 from hasten.model.layers import resolve_attention_backend
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
 from hasten.outputs import CompletionOutput, RequestOutput
@@ -72,6 +72,8 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.device_path = uses_device_path(self.device, self.attention_backend)
         check_device_options(config, self.device, self.dtype, self.device_path, world)
+        if self.kv_dtype == torch.int8:
+            check_int8_kv_cache(config, self.device, self.attention_backend)
         rank_cfg = cfg
         if world > 1:
             from hasten.distributed.launch import local_config

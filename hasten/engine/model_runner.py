@@ -10,6 +10,7 @@ from hasten.engine.request import Request
 from hasten.engine.scheduler import ScheduledBatch
 from hasten.model.config import ModelConfig
 from hasten.model.decoder import Decoder
+from hasten.model.dtypes import kv_bytes_per_token, kv_row_width
 from hasten.model.layers import AttentionGroup, AttentionMetadata
 
 
@@ -70,13 +71,13 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, kv_row_width(cfg.head_dim, dtype))
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_layers)]
 
     @staticmethod
     def blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
-        per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size()) * block_size
+        per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype) * block_size
         return max(1, memory_bytes // per_block)
 
     def _group(self, reqs: list[Request], starts: list[int], lens: list[int], rows: list[int]) -> AttentionGroup:

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -95,6 +96,33 @@ inline void update_row_generic(const float* q, const float* k, const float* v, i
   }
 }
 
+// An int8 KV cache (kv_cache_dtype="int8") stores each head's row of one token as D int8 codes
+// followed by the row's float32 scale (absmax / 127): value = code * scale. Rows are D + 4 bytes.
+constexpr int64_t kInt8ScaleBytes = 4;
+constexpr int64_t kMaxKeys = 256;  // the most keys one update_rows call takes (a cache block)
+
+inline float int8_row_scale(const int8_t* row, int64_t D) {
+  float scale;
+  std::memcpy(&scale, row + D, sizeof(scale));
+  return scale;
+}
+
+// Bytes (elements) of one head's row of one token in a cache of type C.
+template <typename C>
+constexpr int64_t head_row(int64_t D) {
+  return std::is_same_v<C, int8_t> ? D + kInt8ScaleBytes : D;
+}
+
+// x[0 .. D) as int8 codes and their scale into row (D + 4 bytes): symmetric, round to nearest.
+inline void quantize_int8_row(const float* x, int64_t D, int8_t* row) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, x[i] < 0.0f ? -x[i] : x[i]);
+  const float scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < D; ++i) row[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  std::memcpy(row + D, &scale, sizeof(scale));
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 using hasten_tiles::hsum;
 
@@ -108,6 +136,11 @@ inline __m256 load8(const at::Half* p) {
 inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// int8 codes (kv_cache_dtype="int8"): the codes as floats; their row's scale is applied per key to
+// the scores (keys) and to the softmax weights (values), see update_rows_avx2
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // NR query rows (D floats apart) against n keys; scores go to s[r * s_stride + j].
@@ -257,6 +290,15 @@ inline void update_rows_avx2(const float* q, const C* k, const C* v, int64_t str
                              float* s, int64_t s_stride, float* m, float* l, float* acc, float cap) {
   constexpr int NK = NR <= 3 ? 4 : 2;
   scores_avx2<NR, NK>(q, k, stride, n, D, s, s_stride);
+  [[maybe_unused]] float kscale[kMaxKeys], vscale[kMaxKeys];
+  if constexpr (std::is_same_v<C, int8_t>) {
+    for (int64_t j = 0; j < n; ++j) {
+      kscale[j] = int8_row_scale(k + j * stride, D);
+      vscale[j] = int8_row_scale(v + j * stride, D);
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int64_t j = 0; j < n; ++j) s[r * s_stride + j] *= kscale[j];
+  }
   float corr[NR];
   for (int r = 0; r < NR; ++r) {
     float* sr = s + r * s_stride;
@@ -265,6 +307,8 @@ inline void update_rows_avx2(const float* q, const C* k, const C* v, int64_t str
     corr[r] = exp_nonpositive(m[r] - mx);
     l[r] = l[r] * corr[r] + exp_shifted_sum(sr, n, mx);
     m[r] = mx;
+    if constexpr (std::is_same_v<C, int8_t>)  // the value rows' scales ride on the weights
+      for (int64_t j = 0; j < n; ++j) sr[j] *= vscale[j];
   }
   accumulate_avx2<NR>(v, stride, n, D, s, s_stride, corr, acc);
 }
@@ -275,7 +319,7 @@ template <typename C>
 constexpr bool reads_in_place() {
   if constexpr (std::is_same_v<C, float>) return true;
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<C, at::BFloat16>) return true;
+  if constexpr (std::is_same_v<C, at::BFloat16> || std::is_same_v<C, int8_t>) return true;
 #if defined(__F16C__)
   if constexpr (std::is_same_v<C, at::Half>) return true;
 #endif
@@ -312,6 +356,12 @@ inline void update_rows(const float* q, int64_t rows, const C* k, const C* v, in
   } else {
     TORCH_CHECK(false, "internal: narrow cache reached the portable attention path");
   }
+}
+
+// One int8 cache row (D codes and their scale) as D floats.
+inline void int8_row_to_float(const int8_t* row, float* dst, int64_t D) {
+  const float scale = int8_row_scale(row, D);
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(row[i]) * scale;
 }
 
 template <typename T>

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -88,12 +89,15 @@ at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor
 }
 
 // q rotated into `q`; k rotated and v copied into their cache slots, converted to the cache's
-// dtype C_ (which may be narrower than T_: a float16 / bfloat16 KV cache under a float32 model).
+// dtype C_ (which may be narrower than T_: a float16 / bfloat16 KV cache under a float32 model;
+// int8: each head's row becomes D codes and its scale, hasten_attention::quantize_int8_row).
 template <typename T_, typename C_>
 void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const int64_t* pp,
                      const int64_t* sp, at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& q, int64_t heads,
                      int64_t kv_heads) {
-  const int64_t T = qkv.size(0), D = k_cache.size(3), half = D / 2, width = qkv.size(1);
+  constexpr bool kInt8 = std::is_same_v<C_, int8_t>;
+  const int64_t D = q.size(2), P = hasten_attention::head_row<C_>(D);
+  const int64_t T = qkv.size(0), half = D / 2, width = qkv.size(1);
   const T_* src = qkv.data_ptr<T_>();
   const T_* cp = cos.data_ptr<T_>();
   const T_* snp = sin.data_ptr<T_>();
@@ -113,16 +117,26 @@ void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     }
   };
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(kInt8 ? D : 0);  // an int8 cache: one head's row in float32 before it is rounded
     for (int64_t t = begin; t < end; ++t) {
       const T_* row = src + t * width;
       const T_* c = cp + pp[t] * D;
       const T_* s = snp + pp[t] * D;
       for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, qp + (t * heads + h) * D);
-      C_* kdst = kp + sp[t] * kv_heads * D;
-      C_* vdst = vp + sp[t] * kv_heads * D;
-      for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * D, c, s, kdst + h * D);
+      C_* kdst = kp + sp[t] * kv_heads * P;
+      C_* vdst = vp + sp[t] * kv_heads * P;
       const T_* vsrc = row + (heads + kv_heads) * D;
-      for (int64_t i = 0; i < kv_heads * D; ++i) vdst[i] = static_cast<C_>(static_cast<float>(vsrc[i]));
+      if constexpr (kInt8) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          rotate(row + (heads + h) * D, c, s, tmp.data());
+          hasten_attention::quantize_int8_row(tmp.data(), D, kdst + h * P);
+          for (int64_t i = 0; i < D; ++i) tmp[i] = static_cast<float>(vsrc[h * D + i]);
+          hasten_attention::quantize_int8_row(tmp.data(), D, vdst + h * P);
+        }
+      } else {
+        for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * D, c, s, kdst + h * D);
+        for (int64_t i = 0; i < kv_heads * D; ++i) vdst[i] = static_cast<C_>(static_cast<float>(vsrc[i]));
+      }
     }
   });
 }
@@ -133,8 +147,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [T, (H + 2 KVH) * D] tensor");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes(),
-              "caches must be contiguous [blocks, block_size, KVH, D]");
-  const int64_t T = qkv.size(0), D = k_cache.size(3);
+              "caches must be contiguous [blocks, block_size, KVH, D] (int8: D + 4)");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const int64_t T = qkv.size(0), D = k_cache.size(3) - (int8_cache ? hasten_attention::kInt8ScaleBytes : 0);
   TORCH_CHECK(k_cache.size(2) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * D && D % 2 == 0,
               "qkv width does not match heads, kv heads and head_dim");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
@@ -147,8 +162,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv and cos/sin must share a dtype");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
                   (k_cache.scalar_type() == qkv.scalar_type() || k_cache.scalar_type() == at::kHalf ||
-                   k_cache.scalar_type() == at::kBFloat16),
-              "the caches must share qkv's dtype, or both be float16 or bfloat16");
+                   k_cache.scalar_type() == at::kBFloat16 || int8_cache),
+              "the caches must share qkv's dtype, or both be float16, bfloat16 or int8");
   const int64_t max_pos = cos.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* pp = positions.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -163,6 +178,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
       rope_cache_impl<T_, T_>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
     else if (k_cache.scalar_type() == at::kHalf)
       rope_cache_impl<T_, at::Half>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
+    else if (int8_cache)
+      rope_cache_impl<T_, int8_t>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
     else
       rope_cache_impl<T_, at::BFloat16>(qkv, cos, sin, pp, sp, k_cache, v_cache, q, heads, kv_heads);
   });

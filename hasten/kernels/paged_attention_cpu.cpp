@@ -4,7 +4,9 @@
 // Layout (all contiguous):
 //   q            [T, H, D]                 new tokens of all sequences, sequence after sequence
 //   k/v_cache    [num_blocks, BS, KVH, D]  the block pool of one layer (new tokens already written);
-//                                          q's dtype, or float16 / bfloat16 (a narrower KV cache)
+//                                          q's dtype, or float16 / bfloat16 (a narrower KV cache),
+//                                          or int8 [.., KVH, D + 4]: each head's row is D codes and
+//                                          its float32 scale (attention_math.h, quantize_int8_row)
 //   block_tables [S, max_blocks] int32     cache blocks of each sequence
 //   query_start  [S + 1] int64             rows of q owned by sequence s: query_start[s] .. [s+1]
 //   context_lens [S] int64                 tokens in the cache for s, counting its new tokens
@@ -120,9 +122,10 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
   std::fill(sc.m.begin(), sc.m.begin() + rows, -1e30f);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
 
-  const int64_t cache_row = sh.KVH * D;  // floats between consecutive keys of a block
+  const int64_t P = head_row<cache_t>(D);  // elements of one head's row of one key in the cache
+  const int64_t cache_row = sh.KVH * P;    // elements between consecutive keys of a block
   auto block_base = [&](const Segment& sg, int64_t b) {
-    return (static_cast<int64_t>(tables[sg.seq * sh.max_blocks + b]) * BS * sh.KVH + it.head_begin) * D;
+    return (static_cast<int64_t>(tables[sg.seq * sh.max_blocks + b]) * BS * sh.KVH + it.head_begin) * P;
   };
   auto last_key = [&](const Segment& sg) {  // newest key any row of the segment may see
     return ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_end - 1;
@@ -138,7 +141,8 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     const int64_t key0 = b * BS;
     const int64_t in_block = std::min<int64_t>(BS, last_key(sg) + 1 - key0);
     const int64_t base = block_base(sg, b);
-    auto attend_block = [&](const auto* krows, const auto* vrows, int64_t stride) {
+    // krows/vrows: the block's first key/value row; `stride` elements between keys, `hs` between heads
+    auto attend_block = [&](const auto* krows, const auto* vrows, int64_t stride, int64_t hs) {
       for (int64_t t = 0; t < sg.q_end - sg.q_begin; ++t) {
         if constexpr (!kGeneral) {
           // keys this token may see inside the block (causal limit)
@@ -146,7 +150,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
           if (visible <= 0) continue;
           for (int64_t h = 0; h < nh; ++h) {
             const int64_t r = sg.row0 + t * token_rows + h * G;
-            update_rows<false>(sc.q.data() + r * D, G, krows + h * D, vrows + h * D, stride, visible, D,
+            update_rows<false>(sc.q.data() + r * D, G, krows + h * hs, vrows + h * hs, stride, visible, D,
                                sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D,
                                0.0f);
           }
@@ -160,7 +164,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
           const int64_t off = skip * stride;
           for (int64_t h = 0; h < nh; ++h) {
             const int64_t r = sg.row0 + t * token_rows + h * G;
-            update_rows<kCap>(sc.q.data() + r * D, G, krows + off + h * D, vrows + off + h * D, stride, n, D,
+            update_rows<kCap>(sc.q.data() + r * D, G, krows + off + h * hs, vrows + off + h * hs, stride, n, D,
                               sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D,
                               sh.softcap);
           }
@@ -169,24 +173,31 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     };
     if constexpr (reads_in_place<cache_t>()) {
       if (std::is_same_v<cache_t, float> || D % 8 == 0) {
-        attend_block(kp + base, vp + base, cache_row);
+        attend_block(kp + base, vp + base, cache_row, P);
         return;
       }
     }
     // portable path over another cache type: widen this block first
     for (int64_t j = 0; j < in_block; ++j) {
-      to_float(kp + base + j * cache_row, sc.k.data() + j * nh * D, nh * D);
-      to_float(vp + base + j * cache_row, sc.v.data() + j * nh * D, nh * D);
+      if constexpr (std::is_same_v<cache_t, int8_t>) {
+        for (int64_t h = 0; h < nh; ++h) {
+          int8_row_to_float(kp + base + j * cache_row + h * P, sc.k.data() + (j * nh + h) * D, D);
+          int8_row_to_float(vp + base + j * cache_row + h * P, sc.v.data() + (j * nh + h) * D, D);
+        }
+      } else {
+        to_float(kp + base + j * cache_row, sc.k.data() + j * nh * D, nh * D);
+        to_float(vp + base + j * cache_row, sc.v.data() + j * nh * D, nh * D);
+      }
     }
-    attend_block(sc.k.data(), sc.v.data(), nh * D);
+    attend_block(sc.k.data(), sc.v.data(), nh * D, D);
   };
   // Walk blocks [b0, nblocks) of `sg` (prefetching ahead: scattered rows defeat the hardware
   // prefetcher), calling `body(b)` on each.
   auto walk = [&](const Segment& sg, int64_t b0, int64_t nblocks, auto&& body) {
     for (int64_t a = 1; a < kPrefetchAhead && b0 + a < nblocks; ++a)
-      prefetch_block(kp, vp, block_base(sg, b0 + a), BS, cache_row, nh * D);
+      prefetch_block(kp, vp, block_base(sg, b0 + a), BS, cache_row, nh * P);
     for (int64_t b = b0; b < nblocks; ++b) {
-      if (b + kPrefetchAhead < nblocks) prefetch_block(kp, vp, block_base(sg, b + kPrefetchAhead), BS, cache_row, nh * D);
+      if (b + kPrefetchAhead < nblocks) prefetch_block(kp, vp, block_base(sg, b + kPrefetchAhead), BS, cache_row, nh * P);
       body(b);
     }
   };
@@ -324,10 +335,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 // query i (position ctx - n + i) sees keys 0 .. ctx - n + i.
 void attend_wide(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                  int64_t s, int64_t q0, int64_t n, int64_t ctx, double scale, at::Tensor& out) {
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), H = q.size(1);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = q.size(2), H = q.size(1);
   const at::Tensor ids = tables[s].slice(0, 0, (ctx + BS - 1) / BS).to(at::kLong);
   auto gather = [&](const at::Tensor& cache) {  // [1, KVH, ctx, D]
-    return cache.index_select(0, ids).view({-1, KVH, D}).slice(0, 0, ctx).to(at::kBFloat16).permute({1, 0, 2}).unsqueeze(0);
+    at::Tensor rows = cache.index_select(0, ids).view({-1, KVH, cache.size(3)}).slice(0, 0, ctx);
+    if (cache.scalar_type() == at::kChar)  // int8 codes times their row's scale
+      rows = rows.narrow(2, 0, D).to(at::kFloat) * rows.narrow(2, D, kInt8ScaleBytes).contiguous().view(at::kFloat);
+    return rows.to(at::kBFloat16).permute({1, 0, 2}).unsqueeze(0);
   };
   const at::Tensor qs = q.slice(0, q0, q0 + n).to(at::kBFloat16).permute({1, 0, 2}).unsqueeze(0);  // [1, H, n, D]
   std::optional<at::Tensor> mask;
@@ -349,9 +363,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
                   (q.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kHalf ||
-                   k_cache.scalar_type() == at::kBFloat16),
-              "the caches must share q's dtype, or both be float16 or bfloat16");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
+                   k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kChar),
+              "the caches must share q's dtype, or both be float16, bfloat16 or int8");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8_cache ? kInt8ScaleBytes : 0),
+              int8_cache ? "head_dim mismatch (an int8 cache row is head_dim + 4 bytes)" : "head_dim mismatch");
+  TORCH_CHECK(!int8_cache || k_cache.size(1) <= kMaxKeys, "an int8 cache takes blocks of at most ", kMaxKeys,
+              " tokens");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "block_tables must be contiguous int32 [S, max_blocks]");
@@ -387,6 +405,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                                   window, softcap, wide, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
+                                  window, softcap, wide, out);
+    else if (int8_cache)
+      run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
                                   window, softcap, wide, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,

@@ -139,9 +139,6 @@ class ModelConfig:
         fields["layer_windows"] = layer_windows(cfg, family, fields["num_layers"])
         return cls(**fields)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 

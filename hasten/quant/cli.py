@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--symmetric", action="store_true")
     ap.add_argument("--no-quantize-lm-head", action="store_true")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the evaluated model's KV cache: auto | float32 | float16 | bfloat16 | int8 "
+                         "(against the reference's model-dtype cache)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4096, help="evaluation tokens in all")
     ap.add_argument("--no-reference", action="store_true", help="skip the unquantized model (no top-1 agreement)")
@@ -46,23 +49,28 @@ def quant_options(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from hasten import LLM
+    from hasten.model.dtypes import resolve_kv_cache_dtype
     from hasten.quant.data import evaluation_chunks
     from hasten.quant.evaluate import evaluate
 
     max_len = max(args.seq_len + 1, 128)
     common = dict(dtype=args.dtype, num_kv_blocks=-(-max_len // 16) + 1, max_model_len=max_len)
     t0 = time.time()
-    llm = LLM(args.model, **common, **quant_options(args))
+    llm = LLM(args.model, **common, **quant_options(args), kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.time() - t0
-    reference = None if args.no_reference or not llm.engine.config.quantization else LLM(args.model, **common)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, llm.engine.dtype)
+    compared = llm.engine.config.quantization or kv_dtype != llm.engine.dtype
+    reference = None if args.no_reference or not compared else LLM(args.model, **common)
     seqs = evaluation_chunks(llm.tokenizer, args.seq_len, args.max_tokens)
     t0 = time.time()
-    result = evaluate(llm.engine.model, seqs, reference.engine.model if reference else None)
-    report = result.as_dict() | {"quantization": args.quantization, "load_s": round(load_s, 2), "eval_s": round(time.time() - t0, 2)}
+    result = evaluate(llm.engine.model, seqs, reference.engine.model if reference else None, kv_dtype=kv_dtype)
+    report = result.as_dict() | {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                                 "load_s": round(load_s, 2), "eval_s": round(time.time() - t0, 2)}
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"model: {llm.engine.model_name}  quantization: {args.quantization}  dtype: {args.dtype}")
+        print(f"model: {llm.engine.model_name}  quantization: {args.quantization}  dtype: {args.dtype}  "
+              f"kv cache: {args.kv_cache_dtype}")
         print(f"tokens: {result.num_tokens} in {result.num_sequences} sequences of {args.seq_len}")
         print(f"perplexity: {result.perplexity:.4f}")
         if result.reference_perplexity is not None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hasten.model.dtypes import kv_bytes_per_token, kv_row_width
+
 logger = logging.getLogger(__name__)
 
 
@@ -83,9 +85,8 @@ def plan_kv_cache(model, cfg, config, kv_dtype: torch.dtype, max_model_len: int,
 
     bs = config.block_size
     tokens = min(config.max_num_batched_tokens, max_model_len)
-    shape = (-(-tokens // bs), bs, cfg.num_kv_heads, cfg.head_dim)
-    elem = torch.tensor([], dtype=kv_dtype).element_size()
-    pool_bytes = 2 * cfg.num_layers * shape[0] * bs * cfg.num_kv_heads * cfg.head_dim * elem
+    shape = (-(-tokens // bs), bs, cfg.num_kv_heads, kv_row_width(cfg.head_dim, kv_dtype))
+    pool_bytes = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype) * shape[0] * bs
 
     def step() -> None:
         caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
@@ -99,7 +100,7 @@ def plan_kv_cache(model, cfg, config, kv_dtype: torch.dtype, max_model_len: int,
             model.logits(hidden[: min(config.max_num_seqs, tokens)])
 
     peak = max(0, profile_peak_activation(step, device) - pool_bytes)
-    per_block = cfg.kv_bytes_per_token(elem) * bs
+    per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype) * bs
     graphs = config.cuda_graphs and not config.enforce_eager
     return plan_device_kv(device, config.gpu_memory_utilization, per_block, peak, reserve_bytes=2**28 if graphs else 0)
 

@@ -20,6 +20,7 @@ KERNEL_TESTS = [
     "tests/quant/test_quant_linear_kernel.py",
     "tests/quant/test_gguf_kquants.py",
     "tests/engine/test_attention_kernel.py",
+    "tests/engine/test_int8_kv_cache.py",
     "tests/engine/test_arch_attention.py",
     "tests/engine/test_decoder_ops.py",
     "tests/engine/test_native_loop.py",
