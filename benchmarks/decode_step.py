@@ -3,7 +3,7 @@
     python benchmarks/decode_step.py [--batch 16] [--context 300] [--steps 10] [--configs 2,3,2,3]
 
 Builds the engine for each configuration (float32 weights; GGUF blocks with a float32 / float16
-KV cache), prefills `--batch` prompts of `--context` tokens, then times `--steps` decode steps
+KV cache, or an int8 one), prefills `--batch` prompts of `--context` tokens, then times `--steps` decode steps
 (greedy, no HTTP) and prints the mean step time and the time spent in each C++ kernel (inside the
 C++ layer loop: per part of the layer, from its own timers), with the ratio to the first
 configuration. The machine is noisy: read the ratios (and repeat configurations, interleaved, with
@@ -27,6 +27,7 @@ CONFIGS = {
     "gguf weights, fp32 cache": {"quantization": "gguf"},
     "gguf weights, fp16 cache": {"quantization": "gguf", "kv_cache_dtype": "float16"},
     "gguf, fp16 cache, no q8 GEMM": {"quantization": "gguf", "kv_cache_dtype": "float16", "quant_q8_gemm": False},
+    "gguf weights, int8 cache": {"quantization": "gguf", "kv_cache_dtype": "int8"},
 }
 
 
@@ -34,13 +35,18 @@ def measure(options: dict, batch: int, context: int, steps: int) -> tuple[float,
     from hasten import LLM, SamplingParams
 
     engine = LLM(model=str(find_gguf()), **options).engine
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)
+    # the prompts are prefilled in chunks, and the first ones decode meanwhile: enough tokens that every
+    # sequence is still running through the timed steps
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=prefill_steps + steps + 8, ignore_eos=True, temperature=0)
     for i in range(batch):
         engine.add_request(f"r{i}", [(i * 7 + j) % 5000 + 100 for j in range(context)], params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running + engine.scheduler.waiting):
         engine.step()
     for _ in range(2):
         engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise SystemExit(f"{len(engine.scheduler.running)} sequences running, not {batch}")
     loop = engine.model.loop  # the C++ layer loop: its calls are timed inside it, not by cProfile
     if loop is not None:
         loop.set_profiling(True)
