@@ -42,6 +42,16 @@ def make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, dtype):
     return q, k_cache, v_cache, tables, query_start, torch.tensor(ctx, dtype=torch.long)
 
 
+def attention_on_threads(threads: int, *args, **kwargs) -> torch.Tensor:
+    """cpu_attention.paged_attention(*args, **kwargs) with torch on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return cpu_attention.paged_attention(*args, **kwargs)
+    finally:
+        torch.set_num_threads(before)
+
+
 CASES = [
     # ctx, new tokens per sequence, heads, kv heads, head_dim, block size
     ([1], [1], 9, 3, 64, 16),  # first token of a sequence
@@ -62,12 +72,7 @@ def test_kernel_matches_reference(case, dtype, threads):
     gen = torch.Generator().manual_seed(hash((tuple(ctx), heads, head_dim)) % 2**31)
     inputs = make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_attention.paged_attention(*inputs, scale)
-    finally:
-        torch.set_num_threads(before)
+    got = attention_on_threads(threads, *inputs, scale)
     assert got.dtype == dtype and got.shape == (sum(new), heads * head_dim)
     want = reference(*inputs, scale)
     tol = 2e-5 if dtype == torch.float32 else 2e-2

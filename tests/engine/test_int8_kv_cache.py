@@ -13,7 +13,13 @@ from hasten import LLM, SamplingParams
 from hasten.kernels import cpu_attention, decoder_ops
 from hasten.model.dtypes import INT8_KV_SCALE_BYTES, kv_bytes_per_token, resolve_kv_cache_dtype
 from tests.engine.conftest import hf_greedy, random_prompts
-from tests.engine.test_attention_kernel import CASES, make_inputs, reference, shared_prefix_inputs
+from tests.engine.test_attention_kernel import (
+    CASES,
+    attention_on_threads,
+    make_inputs,
+    reference,
+    shared_prefix_inputs,
+)
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="C++ kernels cannot be built here")
 
@@ -49,12 +55,7 @@ def test_attention_over_an_int8_cache_matches_float64_over_its_values(case, thre
     packed, dequant = int8_inputs(make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, torch.float32))
     assert packed[1].shape[-1] == head_dim + 4 and packed[1].dtype == torch.int8
     scale = head_dim**-0.5
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_attention.paged_attention(*packed, scale)
-    finally:
-        torch.set_num_threads(before)
+    got = attention_on_threads(threads, *packed, scale)
     want = reference(*dequant, scale)
     assert (got.double() - want).abs().max().item() < 2e-5
 
