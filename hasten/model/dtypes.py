@@ -6,6 +6,7 @@ import torch
 
 # An int8 KV cache row (one head of one token) is head_dim codes and then its float32 scale.
 INT8_KV_SCALE_BYTES = 4
+INT8_KV_MAX_BLOCK_SIZE = 256  # the attention kernel keeps a block's key scales on its stack (kMaxKeys)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -51,6 +52,9 @@ def check_int8_kv_cache(config, device: torch.device, attention_backend: str) ->
     if device.type != "cpu" or attention_backend != "cpp":
         raise ValueError(f"kv_cache_dtype='int8' needs the C++ attention kernel on the CPU (device {device}, "
                          f"attention_backend {attention_backend!r}); use float16 or bfloat16 there")
+    if config.block_size > INT8_KV_MAX_BLOCK_SIZE:
+        raise ValueError(f"kv_cache_dtype='int8' takes block_size up to {INT8_KV_MAX_BLOCK_SIZE} "
+                         f"(got {config.block_size})")
     if not config.fused_decoder_ops:
         raise ValueError("kv_cache_dtype='int8' needs fused_decoder_ops (its C++ op writes the int8 rows)")
     if decoder_ops.load() is None or cpu_attention.load() is None:

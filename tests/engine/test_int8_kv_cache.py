@@ -146,6 +146,7 @@ def test_engine_with_an_int8_cache_stays_close_to_transformers(tiny_models):
 @pytest.mark.parametrize("options,why", [
     ({"attention_backend": "sdpa"}, "C\\+\\+ attention kernel"),
     ({"fused_decoder_ops": False}, "fused_decoder_ops"),
+    ({"block_size": 512}, "block_size up to 256"),
 ])
 def test_engine_refuses_an_int8_cache_where_no_kernel_reads_it(tiny_models, options, why):
     with pytest.raises(ValueError, match=why):
