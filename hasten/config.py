@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, fields
+from typing import Any
 
 
 @dataclass
@@ -62,6 +64,11 @@ class EngineConfig:
     # weight (+2 bytes per weight): auto = on where the CPU has AMX tiles | on | off
     quant_bf16_gemm: str = "auto"
     quant_bf16_gemm_min_rows: int = 32  # rows of x from which a quantized layer takes the bfloat16 path
+    # wide calls of 4-bit int8-activation layers (GGUF Q4 blocks) over an 8-bit-per-row copy of each
+    # weight (+1 byte per weight; u8_linear_q8_gemm, no nibble unpacking or per-32 weight scales), where
+    # the bfloat16 path does not take them: auto = on where the kernels have its AVX-512 VNNI tiles | on | off
+    quant_u8_gemm: str = "auto"
+    quant_u8_gemm_min_rows: int = 16
     # SiLU-multiply with a vectorized exp (~2 ulp) where the down projection rounds its input anyway
     # (int8 / bfloat16 activations); float32-exact layers keep the exact exp
     fast_silu: bool = True
@@ -96,3 +103,18 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**options)
+
+
+def parse_option_pairs(items: list[str], flag: str = "--engine-option") -> dict[str, Any]:
+    """KEY=VALUE strings -> {KEY: VALUE}, each VALUE a Python literal where it parses as one (1, 0.5,
+    True, "x") and the raw string otherwise. ValueError names `flag` on an item without '='."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            options[key.strip()] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            options[key.strip()] = raw
+    return options

@@ -1,4 +1,4 @@
-"""What this CPU offers the bfloat16 paths (quant_bf16_gemm, attention_bf16 in hasten.config)."""
+"""What this CPU offers the wide paths (quant_bf16_gemm, attention_bf16, quant_u8_gemm in hasten.config)."""
 
 from __future__ import annotations
 
@@ -30,4 +30,21 @@ def resolve_bf16_rows(option: str, mode: str, min_rows: int, auto_applies: bool 
         raise ValueError(f"{option}_min_rows must be >= 1, not {min_rows}")
     if mode == "off" or (mode == "auto" and not (auto_applies and cpu_has_amx())):
         return 0
+    return min_rows
+
+
+def resolve_u8_rows(mode: str, min_rows: int, auto_applies: bool = True) -> int:
+    """quant_u8_gemm (auto | on | off) and its row threshold -> the threshold in force (0: off). auto
+    is on where the kernels built with the u8 GEMM's AVX-512 VNNI tiles and `auto_applies`."""
+    if mode not in BF16_MODES:
+        raise ValueError(f"quant_u8_gemm must be one of {BF16_MODES}, not {mode!r}")
+    if min_rows < 1:
+        raise ValueError(f"quant_u8_gemm_min_rows must be >= 1, not {min_rows}")
+    if mode == "off" or (mode == "auto" and not auto_applies):
+        return 0
+    if mode == "auto":
+        from hasten.kernels.quant_linear import u8_gemm_has_tiles
+
+        if not u8_gemm_has_tiles():
+            return 0
     return min_rows

@@ -28,6 +28,11 @@ std::vector<at::Tensor> int8g_pack_rows8(const at::Tensor& qweight, const at::Te
 at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
                                 const at::Tensor& mins8, int64_t group, int64_t N);
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
+// gemm_u8_cpu.cpp: the wide int8 GEMM over an 8-bit-per-row copy of a quantized weight
+std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight);
+at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
+                             const at::Tensor& offset, int64_t N);
+bool u8_gemm_has_tiles();
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;
 // wide_rows > 0: sequences with that many new tokens in bfloat16 SDPA)

@@ -111,3 +111,24 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] W^T for float32 x and W [N, K] (contiguous), through the same register
     tiles as the quantized GEMMs, run on W's rows in place (the library GEMM for very tall x)."""
     return _module().float_linear(x, weight)
+
+
+def u8_gemm_has_tiles() -> bool:
+    """Whether this build of the kernels has u8_linear_q8_gemm's AVX-512 VNNI tiles (elsewhere it runs
+    a plain C++ loop: correct, slow)."""
+    mod = load()
+    return mod is not None and bool(mod.u8_gemm_has_tiles())
+
+
+def u8_pack_rows16(weight: torch.Tensor) -> list[torch.Tensor]:
+    """A float32 weight [N, K] (K a multiple of 32) as unsigned 8-bit codes per row, w ~ step[n] * u +
+    offset[n] (the row's min and (max - min) / 255): (packed uint8 [ceil(N/16), K/4, 16, 4], step and
+    offset float32 [16 ceil(N/16)]), 16 rows side by side (gemm_u8_cpu.cpp)."""
+    return _module().u8_pack_rows16(weight)
+
+
+def u8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
+                      n: int) -> torch.Tensor:
+    """y = x W^T over u8_pack_rows16's layout, x rounded to int8 per 32 values (as the other
+    int8-activation kernels): integer multiply-adds over 16 weight rows at once."""
+    return _module().u8_linear_q8_gemm(x, packed, step, offset, n)

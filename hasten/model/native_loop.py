@@ -3,7 +3,7 @@
 The loop makes the same kernel calls as Decoder._forward_fused, so it needs the fused C++ ops, the
 in-place attention kernel (flat metadata) and float32 activations. Each projection runs natively
 when its layout is one the loop knows (float32 dense or tiled, hasten's int4 / int8 / grouped int8 kernels,
-each with its bfloat16 copy for wide calls when enable_bf16_gemm gave it one);
+each with its bfloat16 or 8-bit copy for wide calls when enable_bf16_gemm / enable_u8_gemm gave it one);
 any other layer (oneDNN's packed weights, aten's int4pack, ...) is called back in Python.
 """
 
@@ -30,14 +30,17 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
         return mod.make_linear("dense", [layer.weight], bias=layer.bias)
     wide = {"bf16_weight": layer.bf16_weight, "bf16_min_rows": layer.bf16_min_rows} if getattr(layer, "bf16_weight", None) is not None else {}
     wide["rounds_input"] = bool(getattr(layer, "rounds_activations", False))
+    if getattr(layer, "u8_weight", None) is not None:
+        wide.update(u8_weight=list(layer.u8_weight), u8_min_rows=layer.u8_min_rows)
+    if hasattr(layer, "n"):
+        wide["out_features"] = layer.n
     if isinstance(layer, Int4HastenLinear):
         kind = "int4_q8" if layer.int8_activations else "int4"
         tensors = [layer.codes, layer.scales, layer.mins] + (list(layer.rows8) if layer.rows8 is not None else [])
         return mod.make_linear(kind, tensors, layer.group_size, layer.bias,
                                layer.inv_input_scale, gemm_min_rows=layer.gemm_min_rows, **wide)
     if isinstance(layer, GroupedInt8Linear) and layer.rows8 is not None:
-        return mod.make_linear("int8g", list(layer.rows8), layer.group_size, layer.bias, layer.inv_input_scale,
-                               out_features=layer.n, **wide)
+        return mod.make_linear("int8g", list(layer.rows8), layer.group_size, layer.bias, layer.inv_input_scale, **wide)
     if isinstance(layer, Int8Linear) and layer.kernel == "hasten":
         return mod.make_linear("int8", [layer.qweight, layer.scales], 0, layer.bias, layer.inv_input_scale, **wide)
     return mod.make_linear("python", [], callable=layer, **wide)

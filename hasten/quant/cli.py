@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-increase", type=float, default=None, help="fail (exit 1) above this relative increase, e.g. 0.06")
     ap.add_argument("--min-top1", type=float, default=None, help="fail (exit 1) below this top-1 agreement")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--engine-option", "-O", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine option of the evaluated model (repeatable), e.g. quant_u8_gemm=off")
     return ap
 
 
@@ -49,14 +52,21 @@ def quant_options(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from hasten import LLM
+    from hasten.config import EngineConfig, parse_option_pairs
     from hasten.model.dtypes import resolve_kv_cache_dtype
     from hasten.quant.data import evaluation_chunks
     from hasten.quant.evaluate import evaluate
 
+    try:
+        extra = parse_option_pairs(args.engine_option)
+        EngineConfig.from_options(model="", **extra)  # names and types checked before any model loads
+    except (TypeError, ValueError) as e:
+        print(f"hasten eval-ppl: {e}", file=sys.stderr)
+        return 2
     max_len = max(args.seq_len + 1, 128)
     common = dict(dtype=args.dtype, num_kv_blocks=-(-max_len // 16) + 1, max_model_len=max_len)
     t0 = time.time()
-    llm = LLM(args.model, **common, **quant_options(args), kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, **(common | quant_options(args) | {"kv_cache_dtype": args.kv_cache_dtype} | extra))
     load_s = time.time() - t0
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, llm.engine.dtype)
     compared = llm.engine.config.quantization or kv_dtype != llm.engine.dtype
@@ -65,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result = evaluate(llm.engine.model, seqs, reference.engine.model if reference else None, kv_dtype=kv_dtype)
     report = result.as_dict() | {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                                 "engine_options": extra,
                                  "load_s": round(load_s, 2), "eval_s": round(time.time() - t0, 2)}
     if args.json:
         print(json.dumps(report))

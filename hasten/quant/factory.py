@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hasten.kernels.cpu_features import resolve_bf16_rows
+from hasten.kernels.cpu_features import resolve_bf16_rows, resolve_u8_rows
 from hasten.model.linear import DenseLinear, LinearFactory, LinearLayer
 from hasten.quant.formats import (
     QuantizedWeight,
@@ -50,6 +50,8 @@ class QuantOptions:
     q8_gemm: bool = True  # hasten-q8 int4 layers: batches of 2+ rows through the int8 GEMM too
     bf16_gemm: str = "off"  # auto | on | off: wide calls in bfloat16 (make_layer, QuantLinear.enable_bf16_gemm)
     bf16_gemm_min_rows: int = 32
+    u8_gemm: str = "off"  # auto | on | off: wide calls over an 8-bit copy (make_layer, QuantLinear.enable_u8_gemm)
+    u8_gemm_min_rows: int = 16
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -61,6 +63,7 @@ class QuantOptions:
             raise ValueError(f"quant_method must be one of {METHODS}, not {self.method!r}")
         pick_group_size(max(128, self.group_size), self.group_size)  # validates the group size
         resolve_bf16_rows("quant_bf16_gemm", self.bf16_gemm, self.bf16_gemm_min_rows)  # validates the switch
+        resolve_u8_rows(self.u8_gemm, self.u8_gemm_min_rows, auto_applies=False)  # validates the switch
 
     @classmethod
     def from_config(cls, config) -> QuantOptions:
@@ -80,13 +83,16 @@ class QuantOptions:
             q8_gemm=bool(getattr(config, "quant_q8_gemm", True)),
             bf16_gemm=str(getattr(config, "quant_bf16_gemm", "off")),
             bf16_gemm_min_rows=int(getattr(config, "quant_bf16_gemm_min_rows", 32)),
+            u8_gemm=str(getattr(config, "quant_u8_gemm", "off")),
+            u8_gemm_min_rows=int(getattr(config, "quant_u8_gemm_min_rows", 16)),
             dtype=dtype,
         )
 
     def key(self) -> dict:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
-        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm", "bf16_gemm", "bf16_gemm_min_rows"):
+        for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm", "bf16_gemm", "bf16_gemm_min_rows",
+                  "u8_gemm", "u8_gemm_min_rows"):
             d.pop(k)
         if self.mode == "int8":
             d.pop("group_size")
@@ -208,7 +214,8 @@ class QuantizingFactory:
             return layer
         layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel,
                            q8_gemm=self.opts.q8_gemm, bf16_gemm=self.opts.bf16_gemm,
-                           bf16_gemm_min_rows=self.opts.bf16_gemm_min_rows)
+                           bf16_gemm_min_rows=self.opts.bf16_gemm_min_rows, u8_gemm=self.opts.u8_gemm,
+                           u8_gemm_min_rows=self.opts.u8_gemm_min_rows)
         self.layers[name] = layer
         return layer
 
@@ -254,5 +261,6 @@ def linear_factory_for(config, model_folder: Path,
 
         return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
                                  opts.int8_kernel, opts.q8_gemm, bf16_gemm=opts.bf16_gemm,
-                                 bf16_gemm_min_rows=opts.bf16_gemm_min_rows, layer_maker=layer_maker)
+                                 bf16_gemm_min_rows=opts.bf16_gemm_min_rows, u8_gemm=opts.u8_gemm,
+                                 u8_gemm_min_rows=opts.u8_gemm_min_rows, layer_maker=layer_maker)
     return QuantizingFactory(opts, folder, layer_maker=layer_maker)

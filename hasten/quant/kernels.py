@@ -115,10 +115,13 @@ class QuantLinear:
         self.inv_input_scale = (1.0 / input_scale.float()) if input_scale is not None else None
         self.max_kernel_rows = max_kernel_rows
         self.use_kernel = True  # cleared when the kernel is missing in this torch build
-        self.calls = {"kernel": 0, "dequant": 0, "bf16": 0}
+        self.calls = {"kernel": 0, "dequant": 0, "bf16": 0, "u8": 0}
         # the bfloat16 copy of the weight for wide calls (enable_bf16_gemm); None: off
         self.bf16_weight: torch.Tensor | None = None
         self.bf16_min_rows = 0
+        # the 8-bit copy of the weight for wide calls (enable_u8_gemm: u8_pack_rows16's tensors); None: off
+        self.u8_weight: list[torch.Tensor] | None = None
+        self.u8_min_rows = 0
 
     def enable_bf16_gemm(self, min_rows: int) -> None:
         """From `min_rows` rows of x on (prefill chunks, wide decode batches), multiply x in bfloat16
@@ -129,12 +132,33 @@ class QuantLinear:
         self.bf16_weight = self.dequantize_codes().to(torch.bfloat16).contiguous()
         self.bf16_min_rows = min_rows
 
+    def enable_u8_gemm(self, min_rows: int) -> None:
+        """From `min_rows` rows of x on, x rounded to int8 per 32 values times an 8-bit-per-row copy of
+        the dequantized weight (u8_linear_q8_gemm: integer multiply-adds without the int4 tiles' nibble
+        unpacking and per-32 weight scales). Costs 1 byte per weight; the codes stay for narrow calls."""
+        from hasten.kernels.quant_linear import u8_pack_rows16
+
+        if min_rows < 1:
+            raise ValueError(f"u8 GEMM min rows must be >= 1, not {min_rows}")
+        if self.k % 32:
+            raise ValueError(f"the u8 GEMM needs in_features divisible by 32, not {self.k}")
+        self.u8_weight = u8_pack_rows16(self.dequantize_codes().float().contiguous())
+        self.u8_min_rows = min_rows
+
+    def takes_u8(self, rows: int) -> bool:
+        return self.u8_weight is not None and rows >= self.u8_min_rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.inv_input_scale is not None:
             x = x * self.inv_input_scale.to(x.dtype)
         if self.bf16_weight is not None and x.shape[0] >= self.bf16_min_rows:
             self.calls["bf16"] += 1
             y = F.linear(x.to(torch.bfloat16), self.bf16_weight).to(x.dtype)
+        elif self.takes_u8(x.shape[0]):
+            from hasten.kernels.quant_linear import u8_linear_q8_gemm
+
+            self.calls["u8"] += 1
+            y = self._float32_call(u8_linear_q8_gemm, x, *self.u8_weight, self.n)
         elif self.use_kernel and x.shape[0] <= self.max_kernel_rows:
             self.calls["kernel"] += 1
             y = self._run_kernel(x)
@@ -177,6 +201,7 @@ class QuantLinear:
         """Bytes of what every kind may hold besides its codes: AWQ input scale, bias, bfloat16 copy."""
         total = self.inv_input_scale.numel() * 4 if self.inv_input_scale is not None else 0
         total += self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        total += sum(t.numel() * t.element_size() for t in self.u8_weight) if self.u8_weight is not None else 0
         return total + (self.bf16_weight.numel() * 2 if self.bf16_weight is not None else 0)
 
 
@@ -457,10 +482,15 @@ class GroupedInt8Linear(QuantLinear):
 
 def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
                int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True,
-               int8_auto: str = INT8_AUTO, bf16_gemm: str = "off", bf16_gemm_min_rows: int = 32) -> QuantLinear:
+               int8_auto: str = INT8_AUTO, bf16_gemm: str = "off", bf16_gemm_min_rows: int = 32,
+               u8_gemm: str = "off", u8_gemm_min_rows: int = 16) -> QuantLinear:
     """The layer for `qw`. bf16_gemm (quant_bf16_gemm: auto | on | off) adds the bfloat16 path for calls
     of bf16_gemm_min_rows rows or more; auto does so where the CPU has AMX, for layers whose kernel
-    rounds x anyway (int8 or bfloat16 activations), so exact float32-activation layers stay exact."""
+    rounds x anyway (int8 or bfloat16 activations), so exact float32-activation layers stay exact.
+    u8_gemm (quant_u8_gemm) adds the 8-bit copy for calls of u8_gemm_min_rows rows or more that the
+    bfloat16 path does not take; auto does so where the build has its AVX-512 VNNI tiles, for 4-bit
+    layers with int8 activations (an 8-bit row keeps a 4-bit block's values to within 1/510 of the
+    row's range; the 5- to 8-bit blocks keep their own kernel)."""
     layer: QuantLinear
     if isinstance(qw, Int8Weight):
         layer = Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
@@ -475,4 +505,8 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
     rows = cpu_features.resolve_bf16_rows("quant_bf16_gemm", bf16_gemm, bf16_gemm_min_rows, layer.rounds_activations)
     if rows:
         layer.enable_bf16_gemm(rows)
+    auto_u8 = isinstance(layer, Int4HastenLinear) and layer.int8_activations
+    rows = cpu_features.resolve_u8_rows(u8_gemm, u8_gemm_min_rows, auto_u8)
+    if rows:
+        layer.enable_u8_gemm(rows)
     return layer

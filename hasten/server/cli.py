@@ -9,7 +9,6 @@ start-up took. SIGTERM/SIGINT stop accepting connections, let in-flight requests
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib
 import logging
@@ -18,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from hasten.config import parse_option_pairs
 from hasten.server.auth import API_KEY_ENV
 from hasten.server.grammar_limits import StructuredLimits
 from hasten.server.limits import HTTPLimits
@@ -185,15 +185,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag)
         if value is not None:
             options[name] = value
-    for item in args.engine_option:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--engine-option expects KEY=VALUE, got {item!r}")
-        try:
-            options[key.strip()] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            options[key.strip()] = raw
-    return options
+    try:
+        return options | parse_option_pairs(args.engine_option)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def check_engine_options(options: dict[str, Any], task: str) -> None:

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
     "tests/quant/test_quant_linear_kernel.py",
     "tests/quant/test_gguf_kquants.py",
+    "tests/quant/test_u8_gemm.py",
     "tests/engine/test_attention_kernel.py",
     "tests/engine/test_int8_kv_cache.py",
     "tests/engine/test_arch_attention.py",

@@ -182,7 +182,7 @@ def test_layer_uses_kernel_and_matches_its_dequantized_weight():
         x = torch.randn(rows, 128, generator=gen)
         want = x.double() @ layer.dequantize().double().t() + qw.bias.double()
         assert torch.allclose(layer(x).double(), want, atol=1e-4, rtol=1e-5)
-    assert layer.calls == {"kernel": 5, "dequant": 0, "bf16": 0}  # never a whole-weight dequantize
+    assert layer.calls == {"kernel": 5, "dequant": 0, "bf16": 0, "u8": 0}  # never a whole-weight dequantize
     assert resolve_int4_kernel("torch", 32) == "torch"
     assert resolve_int4_kernel("auto", 32) in ("hasten", "hasten-q8")
     assert make_layer(qw, int4_kernel="hasten-q8").int8_activations

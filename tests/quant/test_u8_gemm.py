@@ -1,0 +1,207 @@
+"""The 8-bit wide path of quantized layers (quant_u8_gemm): wide calls multiply x, rounded to int8 per
+32 values, by an 8-bit-per-row copy of the dequantized weight (u8_linear_q8_gemm); narrow calls keep
+the packed kernels. The kernel against a float64 reference over the same rounded operands, the layer
+and the engine switch, the C++ layer loop against the Python loop (bit-identical)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hasten import LLM, SamplingParams
+from hasten.kernels import cpu_features, quant_linear
+from hasten.quant.evaluate import sequence_logits
+from hasten.quant.formats import quantize_int4, quantize_int8
+from hasten.quant.kernels import make_layer
+
+needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
+
+
+def k_of_position(k: int) -> torch.Tensor:
+    """k of each run-order position (per 32: the even k, then the odd ones)."""
+    p = torch.arange(k) % 32
+    return torch.arange(k) - p + torch.where(p < 16, 2 * p, 2 * (p - 16) + 1)
+
+
+def unpacked(packed: torch.Tensor, step: torch.Tensor, offset: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [n, k] in k order, the float64 weight step * codes + offset)."""
+    n16, k4 = packed.shape[:2]
+    k = k4 * 4
+    by_position = packed.permute(0, 2, 1, 3).reshape(n16 * 16, k)[:n]
+    codes = torch.empty_like(by_position)
+    codes[:, k_of_position(k)] = by_position
+    return codes, codes.double() * step[:n, None].double() + offset[:n, None].double()
+
+
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation kernels round it: per 32 values, d = amax / 127, q = round(x / d)."""
+    m, k = x.shape
+    runs = x.float().view(m, k // 32, 32)
+    d = runs.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
+    return (torch.round(runs * inv).double() * d.double()).view(m, k)
+
+
+def test_packing_rounds_each_row_to_256_levels():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 96, generator=gen) * 0.05
+    w[5] = 0.25  # a constant row: step 0
+    w[6, 7] = 4.0  # an outlier widens its row's step
+    packed, step, offset = quant_linear.u8_pack_rows16(w)
+    assert packed.shape == (3, 24, 16, 4) and packed.dtype == torch.uint8
+    assert step.shape == offset.shape == (48,) and torch.all(step[37:] == 0) and torch.all(offset[37:] == 0)
+    codes, dequant = unpacked(packed, step, offset, 37)
+    assert torch.all(packed[2, :, 5:] == 0)  # rows past N
+    assert step[5] == 0 and offset[5] == 0.25 and torch.all(codes[5] == 0)
+    assert torch.allclose(offset[:37], w.min(1).values) and torch.allclose(step[:37] * 255, w.max(1).values - w.min(1).values)
+    assert ((dequant - w.double()).abs() <= step[:37, None].double() * 0.5 + 1e-7).all()
+    assert codes.min() == 0 and codes.max() == 255
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 63, 64, 65, 131])
+@pytest.mark.parametrize("n,k", [(16, 32), (17, 64), (40, 96), (100, 576), (33, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_u8_gemm_matches_reference(m, n, k, threads):
+    """Every tile shape (6, 4, 2, 1 rows of x; one or two blocks of 16 weight rows, a partial last one),
+    panels of 64 rows, a zero run of x (scale 0), 1 and 2 threads: within float32 summation of the
+    float64 product of the rounded operands."""
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k + threads)
+    w = torch.randn(n, k, generator=gen) * 0.05 - 0.02
+    x = torch.randn(m, k, generator=gen) * 3
+    x[:, 32:64] = 0.0
+    packed, step, offset = quant_linear.u8_pack_rows16(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = quant_linear.u8_linear_q8_gemm(x, packed, step, offset, n)
+    finally:
+        torch.set_num_threads(before)
+    _, w8 = unpacked(packed, step, offset, n)
+    want = rounded_x(x) @ w8.t()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+    exact = x.double() @ w.double().t()  # and close to the float product
+    assert (y.double() - exact).abs().max().item() / exact.abs().max().item() < 2e-2
+
+
+@needs_kernels
+def test_u8_gemm_rejects_bad_shapes():
+    packed, step, offset = quant_linear.u8_pack_rows16(torch.randn(20, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        quant_linear.u8_pack_rows16(torch.randn(4, 48))
+    with pytest.raises(RuntimeError, match="not finite"):
+        quant_linear.u8_pack_rows16(torch.tensor([[float("nan")] * 32]))
+    with pytest.raises(RuntimeError, match="u8_pack_rows16"):
+        quant_linear.u8_linear_q8_gemm(torch.randn(3, 96), packed, step, offset, 20)  # K differs
+    with pytest.raises(RuntimeError, match="u8_pack_rows16"):
+        quant_linear.u8_linear_q8_gemm(torch.randn(3, 64), packed, step, offset, 40)  # N differs
+    assert quant_linear.u8_linear_q8_gemm(torch.randn(0, 64), packed, step, offset, 20).shape == (0, 20)
+
+
+@needs_kernels
+def test_wide_calls_take_the_u8_copy_narrow_calls_keep_the_kernel():
+    gen = torch.Generator().manual_seed(5)
+    n, k = 40, 96
+    qw = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, 32, bias=torch.randn(n, generator=gen))
+    plain = make_layer(qw, int4_kernel="hasten-q8")
+    wide = make_layer(qw, int4_kernel="hasten-q8", u8_gemm="on", u8_gemm_min_rows=5)
+    assert wide.u8_weight is not None and plain.u8_weight is None
+    assert wide.nbytes == plain.nbytes + 48 * k + 2 * 48 * 4
+    for m in (1, 4):
+        x = torch.randn(m, k, generator=gen)
+        assert torch.equal(wide(x), plain(x))
+    for m in (5, 37):
+        x = torch.randn(m, k, generator=gen)
+        want = quant_linear.u8_linear_q8_gemm(x, *quant_linear.u8_pack_rows16(plain.dequantize_codes()), n) + plain.bias
+        assert torch.equal(wide(x), want)
+        ref = plain(x)
+        assert torch.allclose(wide(x), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    assert wide.calls["u8"] == 4 and wide.calls["kernel"] == 2
+    with pytest.raises(ValueError, match="min rows must be >= 1"):
+        plain.enable_u8_gemm(0)
+
+
+def test_modes_and_validation(monkeypatch):
+    resolve = cpu_features.resolve_u8_rows
+    monkeypatch.setattr(quant_linear, "u8_gemm_has_tiles", lambda: True)
+    assert resolve("auto", 16) == 16
+    assert resolve("auto", 16, auto_applies=False) == 0
+    assert resolve("off", 16) == 0
+    assert resolve("on", 4, auto_applies=False) == 4
+    monkeypatch.setattr(quant_linear, "u8_gemm_has_tiles", lambda: False)
+    assert resolve("auto", 16) == 0
+    assert resolve("on", 16) == 16  # on: the plain C++ loop where the tiles are missing
+    with pytest.raises(ValueError, match="quant_u8_gemm must be one of"):
+        resolve("fast", 16)
+    with pytest.raises(ValueError, match="quant_u8_gemm_min_rows must be >= 1"):
+        resolve("on", 0)
+
+
+@needs_kernels
+def test_auto_takes_only_four_bit_layers_with_int8_activations(monkeypatch):
+    monkeypatch.setattr(quant_linear, "u8_gemm_has_tiles", lambda: True)
+    w = torch.randn(40, 64) * 0.05
+    assert make_layer(quantize_int4(w, 32), int4_kernel="hasten-q8", u8_gemm="auto").u8_weight is not None
+    assert make_layer(quantize_int4(w, 32), int4_kernel="hasten", u8_gemm="auto").u8_weight is None  # exact
+    assert make_layer(quantize_int8(w), int8_kernel="hasten-q8", u8_gemm="auto").u8_weight is None
+
+
+IDS = [5, 17, 42, 99, 7, 250, 31, 8, 64, 12, 3, 77, 140, 2, 9, 33, 18, 200, 44, 61]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from hasten.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-u8"), hidden_size=128, num_layers=2))
+
+
+def engine(model: str, **options) -> LLM:
+    kw = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24, quantization="int4",
+              quant_int4_kernel="hasten-q8", quant_u8_gemm_min_rows=6, quant_bf16_gemm="off")
+    kw.update(options)
+    return LLM(model, **kw)
+
+
+@needs_kernels
+def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_llama):
+    native = engine(tiny_llama, quant_u8_gemm="on")
+    python = engine(tiny_llama, quant_u8_gemm="on", native_decoder_loop=False)
+    if native.engine.model.loop is None:
+        pytest.skip("the C++ layer loop does not build here")
+    assert torch.equal(sequence_logits(native.engine.model, IDS), sequence_logits(python.engine.model, IDS))
+    layer = python.engine.model.layers[0].gate_up_proj
+    assert layer.u8_weight is not None and layer.calls["u8"] > 0
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = [IDS[:n] for n in (3, 9, 20)]  # decodes (narrow) beside chunked prefills (wide)
+    for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@needs_kernels
+def test_u8_path_adds_little_next_to_quantization(tiny_llama):
+    def logprobs(llm: LLM) -> torch.Tensor:
+        return torch.log_softmax(sequence_logits(llm.engine.model, IDS), -1)
+
+    on = logprobs(engine(tiny_llama, quant_u8_gemm="on"))
+    off_llm = engine(tiny_llama, quant_u8_gemm="off")
+    assert off_llm.engine.model.layers[0].qkv_proj.u8_weight is None
+    off = logprobs(off_llm)
+    full = logprobs(engine(tiny_llama, quantization=None))
+    assert (on - off).abs().mean().item() < 0.25 * (off - full).abs().mean().item()
+
+
+def test_a_bad_mode_is_a_clear_error(tiny_llama):
+    with pytest.raises(ValueError, match="quant_u8_gemm must be one of"):
+        engine(tiny_llama, quant_u8_gemm="always")
+
+
+def test_eval_ppl_checks_its_engine_options(capsys):
+    from hasten.quant.cli import main
+
+    assert main(["--engine-option", "quant_u8_gemm"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert main(["-O", "no_such_option=1"]) == 2
+    assert "no_such_option" in capsys.readouterr().err
