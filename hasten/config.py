@@ -69,6 +69,9 @@ class EngineConfig:
     # the bfloat16 path does not take them: auto = on where the kernels have its AVX-512 VNNI tiles | on | off
     quant_u8_gemm: str = "auto"
     quant_u8_gemm_min_rows: int = 16
+    # up to this many consecutive 32-runs of x share one int8 scale in those calls (1 .. 8; 1: per 32 values
+    # as every other int8-activation kernel): fewer int-to-float conversions per weight
+    quant_u8_gemm_x_runs: int = 1
     # SiLU-multiply with a vectorized exp (~2 ulp) where the down projection rounds its input anyway
     # (int8 / bfloat16 activations); float32-exact layers keep the exact exp
     fast_silu: bool = True

@@ -4,7 +4,8 @@
 // Each weight row n is stored as unsigned codes u (0..255) with a float step s[n] and offset o[n]:
 // w ~ s[n] * u + o[n] (the row's minimum and (max - min) / 255; for GGUF blocks the codes come from
 // the dequantized block values). x is rounded per 32 k as for the other int8-activation kernels
-// (quantize_x_q8: int8 q with scale d per 32-run, in run order). Then
+// (quantize_x_q8: int8 q with scale d per 32-run, in run order; x_runs > 1 lets up to that many
+// consecutive 32-runs share one scale, so that their integer sums are converted to float once). Then
 //     y[m][n] = s[n] * sum_runs d[m][run] * (sum over the run of u * q) + o[n] * sum_k d[m][run of k] q[m][k]
 // The integer run sums are u8 x s8 VNNI multiply-adds with the weight codes in the lanes, 16 rows per
 // 512-bit register; unlike the int4 tiles (quant_gemm_q8_cpu.cpp) there is no nibble unpacking and no
@@ -52,17 +53,18 @@ inline __m512i broadcast4(const int8_t* p) {
 // bytes from these blocks to the next ones a thread takes, for the first tile of a panel to prefetch
 // them into L2 (else 0): 30 SmolLM2 layers of weights from memory, 16 rows of x, 9.8 -> 8.3 ms.
 template <int MR, int NW>
-inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_t K, const uint8_t* w, int64_t block_bytes,
-                    const float* step, const float* offset, float* out, int64_t ldo, int64_t cols, int64_t ahead) {
+inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_t K, int64_t share, const uint8_t* w,
+                    int64_t block_bytes, const float* step, const float* offset, float* out, int64_t ldo, int64_t cols,
+                    int64_t ahead) {
   const int64_t C = K / kChunk;
   __m512 acc[MR][NW];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
+  for (int64_t c = 0; c < C; c += share) {  // `share` 32-runs of one scale of x: one integer sum
     __m512i run[MR][NW];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NW; ++j) run[r][j] = _mm512_setzero_si512();
-    for (int64_t kb = 8 * c; kb < 8 * c + 8; ++kb) {
+    for (int64_t kb = 8 * c; kb < 8 * (c + share); ++kb) {
       __m512i wv[NW];
       for (int j = 0; j < NW; ++j) {
         if (ahead) __builtin_prefetch(w + ahead + j * block_bytes + kb * 64, 0, 2);
@@ -89,6 +91,14 @@ inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_
   }
 }
 #endif
+
+// The runs of x per scale for K: the largest divisor of K / 32 up to x_runs.
+inline int64_t runs_per_scale(int64_t K, int64_t x_runs) {
+  const int64_t C = K / kChunk;
+  for (int64_t share = std::min(C, x_runs); share > 1; --share)
+    if (C % share == 0) return share;
+  return 1;
+}
 
 // The same sums in plain C++: one x row against one packed block.
 void u8_row_generic(const int8_t* xq, const float* xd, float xtot, int64_t K, const uint8_t* w, const float* step,
@@ -147,7 +157,7 @@ std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight) {
 }
 
 at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
-                             const at::Tensor& offset, int64_t N) {
+                             const at::Tensor& offset, int64_t N, int64_t x_runs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N16 = (N + kRows - 1) / kRows, C = K / kChunk;
   TORCH_CHECK(K > 0 && K % kChunk == 0, "K must be a positive multiple of 32, got ", K);
@@ -159,7 +169,9 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
                 "step and offset must be the float32 [16 ceil(N / 16)] of u8_pack_rows16");
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const QuantizedX xq(x, kChunk);
+  TORCH_CHECK(x_runs >= 1 && x_runs <= 8, "x runs per scale must be 1 .. 8, got ", x_runs);
+  const int64_t share = runs_per_scale(K, x_runs);
+  const QuantizedX xq(x, kChunk, share);
   const int8_t* xqp = xq.q.data_ptr<int8_t>();
   const float* xdp = xq.d.data_ptr<float>();
   // the sum of the ROUNDED x: with it the offset term completes sum_k xq * (step * u + offset), so the
@@ -192,7 +204,7 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
         const uint8_t* w = wp + nb * bytes;
         auto call = [&](auto rows, auto blocks, int64_t m) {
           constexpr int R = decltype(rows)::value, B = decltype(blocks)::value;
-          u8_tile<R, B>(xqp + m * K, xdp + m * C, xtot.data() + m, K, w, bytes, sp + nb * kRows, op + nb * kRows,
+          u8_tile<R, B>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, sp + nb * kRows, op + nb * kRows,
                         yp + m * N + nb * kRows, N, cols, m == m0 && t + 1 < end ? NW * bytes : 0);
         };
         for (int64_t m = m0; m < m1;) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "float_tiles.h"
 
@@ -54,13 +55,34 @@ inline float min_term(const at::Half* mins, const float* xs, int64_t G) {
 #endif
 
 // ---- x rounded to int8 per 32 k (llama.cpp's Q8 scheme), for the int8-activation kernels ------------
+// max |x[i]| over n (a multiple of 8) values
+inline float abs_max(const float* x, int64_t n) {
+#if defined(__AVX2__)
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+  float a = 0.0f;
+  for (int64_t i = 0; i < n; ++i) a = std::max(a, std::abs(x[i]));
+  return a;
+#endif
+}
+
+// share > 1: runs of `share` 32-runs share one scale (the largest of their absmax), each run's d still
+// stored (C / share distinct values per row); C must be a multiple of share.
 inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int8_t* xq,
-                               float* xd, float* xs) {
+                               float* xd, float* xs, int64_t share = 1) {
   // sums per group from the 32-runs' vectors when a group is whole runs (grouped int8 weights may
   // use groups of 16: then the plain loop below)
   const int64_t C = K / kChunk, per_group = group % kChunk == 0 ? group / kChunk : 0;
+  std::vector<float> shared_amax(share > 1 ? C / share : 0);
   for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xr = x + m * K;
+    if (share > 1) {
+      for (int64_t g = 0; g < C / share; ++g) shared_amax[g] = abs_max(xr + g * share * kChunk, share * kChunk);
+    }
 #if defined(__AVX2__)
     __m256 gsum = _mm256_setzero_ps();
 #endif
@@ -81,7 +103,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
       }
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const float amax = share > 1 ? shared_amax[c / share] : _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
       const float d = amax / 127.0f;
       const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
       // run order: the even k of the 32 first, then the odd ones. shuffle_ps picks them per 128-bit
@@ -103,6 +125,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
 #else
       float amax = 0.0f;
       for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
+      if (share > 1) amax = shared_amax[c / share];
       const float d = amax / 127.0f;
       const float inv = d > 0.0f ? 1.0f / d : 0.0f;
       for (int64_t i = 0; i < kChunk / 2; ++i) {
@@ -127,25 +150,27 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
 // even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
 // float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
 // instructions per weight than the float path. Rows split across threads when there are many.
-inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs) {
+inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs,
+                          int64_t share = 1) {
   const int64_t grain = std::max<int64_t>(1, 8192 / K);
   if (M <= grain) {
-    quantize_x_q8_rows(x, 0, M, K, group, xq, xd, xs);
+    quantize_x_q8_rows(x, 0, M, K, group, xq, xd, xs, share);
     return;
   }
-  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) { quantize_x_q8_rows(x, begin, end, K, group, xq, xd, xs); });
+  at::parallel_for(0, M, grain,
+                   [&](int64_t begin, int64_t end) { quantize_x_q8_rows(x, begin, end, K, group, xq, xd, xs, share); });
 }
 
 // x [M, K] (contiguous float32) rounded by quantize_x_q8 into tensors that live for one call:
 // q int8 [M, K] (run order), d float32 [M, K / 32], sums float32 [M, K / group].
 struct QuantizedX {
   at::Tensor q, d, sums;
-  QuantizedX(const at::Tensor& x, int64_t group)
+  QuantizedX(const at::Tensor& x, int64_t group, int64_t share = 1)
       : q(at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar))),
         d(at::empty({x.size(0), x.size(1) / kChunk}, x.options())),
         sums(at::empty({x.size(0), x.size(1) / group}, x.options())) {
     quantize_x_q8(x.data_ptr<float>(), x.size(0), x.size(1), group, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  sums.data_ptr<float>());
+                  sums.data_ptr<float>(), share);
   }
 };
 

@@ -52,6 +52,7 @@ class QuantOptions:
     bf16_gemm_min_rows: int = 32
     u8_gemm: str = "off"  # auto | on | off: wide calls over an 8-bit copy (make_layer, QuantLinear.enable_u8_gemm)
     u8_gemm_min_rows: int = 16
+    u8_gemm_x_runs: int = 1  # 32-runs of x per int8 scale in those calls (QuantLinear.enable_u8_gemm)
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -64,6 +65,8 @@ class QuantOptions:
         pick_group_size(max(128, self.group_size), self.group_size)  # validates the group size
         resolve_bf16_rows("quant_bf16_gemm", self.bf16_gemm, self.bf16_gemm_min_rows)  # validates the switch
         resolve_u8_rows(self.u8_gemm, self.u8_gemm_min_rows, auto_applies=False)  # validates the switch
+        if not 1 <= self.u8_gemm_x_runs <= 8:
+            raise ValueError(f"quant_u8_gemm_x_runs must be 1 .. 8, not {self.u8_gemm_x_runs}")
 
     @classmethod
     def from_config(cls, config) -> QuantOptions:
@@ -85,6 +88,7 @@ class QuantOptions:
             bf16_gemm_min_rows=int(getattr(config, "quant_bf16_gemm_min_rows", 32)),
             u8_gemm=str(getattr(config, "quant_u8_gemm", "off")),
             u8_gemm_min_rows=int(getattr(config, "quant_u8_gemm_min_rows", 16)),
+            u8_gemm_x_runs=int(getattr(config, "quant_u8_gemm_x_runs", 1)),
             dtype=dtype,
         )
 
@@ -92,7 +96,7 @@ class QuantOptions:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
         for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm", "bf16_gemm", "bf16_gemm_min_rows",
-                  "u8_gemm", "u8_gemm_min_rows"):
+                  "u8_gemm", "u8_gemm_min_rows", "u8_gemm_x_runs"):
             d.pop(k)
         if self.mode == "int8":
             d.pop("group_size")
@@ -215,7 +219,7 @@ class QuantizingFactory:
         layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel,
                            q8_gemm=self.opts.q8_gemm, bf16_gemm=self.opts.bf16_gemm,
                            bf16_gemm_min_rows=self.opts.bf16_gemm_min_rows, u8_gemm=self.opts.u8_gemm,
-                           u8_gemm_min_rows=self.opts.u8_gemm_min_rows)
+                           u8_gemm_min_rows=self.opts.u8_gemm_min_rows, u8_gemm_x_runs=self.opts.u8_gemm_x_runs)
         self.layers[name] = layer
         return layer
 
@@ -262,5 +266,6 @@ def linear_factory_for(config, model_folder: Path,
         return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
                                  opts.int8_kernel, opts.q8_gemm, bf16_gemm=opts.bf16_gemm,
                                  bf16_gemm_min_rows=opts.bf16_gemm_min_rows, u8_gemm=opts.u8_gemm,
-                                 u8_gemm_min_rows=opts.u8_gemm_min_rows, layer_maker=layer_maker)
+                                 u8_gemm_min_rows=opts.u8_gemm_min_rows, u8_gemm_x_runs=opts.u8_gemm_x_runs,
+                                 layer_maker=layer_maker)
     return QuantizingFactory(opts, folder, layer_maker=layer_maker)

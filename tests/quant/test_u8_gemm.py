@@ -33,10 +33,11 @@ def unpacked(packed: torch.Tensor, step: torch.Tensor, offset: torch.Tensor, n: 
     return codes, codes.double() * step[:n, None].double() + offset[:n, None].double()
 
 
-def rounded_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8-activation kernels round it: per 32 values, d = amax / 127, q = round(x / d)."""
+def rounded_x(x: torch.Tensor, share: int = 1) -> torch.Tensor:
+    """x as the int8-activation kernels round it: per 32 values (per 32 * share with x_runs), d = amax / 127,
+    q = round(x / d)."""
     m, k = x.shape
-    runs = x.float().view(m, k // 32, 32)
+    runs = x.float().view(m, k // (32 * share), 32 * share)
     d = runs.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
     return (torch.round(runs * inv).double() * d.double()).view(m, k)
@@ -86,6 +87,25 @@ def test_u8_gemm_matches_reference(m, n, k, threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("x_runs,k,share", [(8, 576, 6), (8, 1536, 8), (4, 576, 3), (2, 96, 1), (5, 320, 5), (3, 32, 1)])
+@pytest.mark.parametrize("m", [1, 7, 65])
+def test_u8_gemm_x_runs_share_one_scale(x_runs, k, share, m):
+    """x_runs: the largest count of 32-runs up to x_runs that divides K / 32 shares one scale."""
+    gen = torch.Generator().manual_seed(m * 131 + k + x_runs)
+    w = torch.randn(40, k, generator=gen) * 0.05
+    x = torch.randn(m, k, generator=gen) * 3
+    x[:, :32] *= 20  # one loud run sets its whole group's scale
+    packed, step, offset = quant_linear.u8_pack_rows16(w)
+    y = quant_linear.u8_linear_q8_gemm(x, packed, step, offset, 40, x_runs)
+    _, w8 = unpacked(packed, step, offset, 40)
+    want = rounded_x(x, share) @ w8.t()
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+    if share > 1:  # and not the per-32 rounding
+        per32 = rounded_x(x) @ w8.t()
+        assert (y.double() - per32).abs().max().item() / want.abs().max().item() > 1e-4
+
+
+@needs_kernels
 def test_u8_gemm_rejects_bad_shapes():
     packed, step, offset = quant_linear.u8_pack_rows16(torch.randn(20, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -120,6 +140,10 @@ def test_wide_calls_take_the_u8_copy_narrow_calls_keep_the_kernel():
     assert wide.calls["u8"] == 4 and wide.calls["kernel"] == 2
     with pytest.raises(ValueError, match="min rows must be >= 1"):
         plain.enable_u8_gemm(0)
+    with pytest.raises(ValueError, match="x runs must be 1 .. 8"):
+        plain.enable_u8_gemm(16, 9)
+    with pytest.raises(RuntimeError, match="1 .. 8"):
+        quant_linear.u8_linear_q8_gemm(torch.randn(3, k), *wide.u8_weight, n, 0)
 
 
 def test_modes_and_validation(monkeypatch):
@@ -165,9 +189,10 @@ def engine(model: str, **options) -> LLM:
 
 
 @needs_kernels
-def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_llama):
-    native = engine(tiny_llama, quant_u8_gemm="on")
-    python = engine(tiny_llama, quant_u8_gemm="on", native_decoder_loop=False)
+@pytest.mark.parametrize("x_runs", [1, 4])
+def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_llama, x_runs):
+    native = engine(tiny_llama, quant_u8_gemm="on", quant_u8_gemm_x_runs=x_runs)
+    python = engine(tiny_llama, quant_u8_gemm="on", native_decoder_loop=False, quant_u8_gemm_x_runs=x_runs)
     if native.engine.model.loop is None:
         pytest.skip("the C++ layer loop does not build here")
     assert torch.equal(sequence_logits(native.engine.model, IDS), sequence_logits(python.engine.model, IDS))
@@ -196,6 +221,15 @@ def test_u8_path_adds_little_next_to_quantization(tiny_llama):
 def test_a_bad_mode_is_a_clear_error(tiny_llama):
     with pytest.raises(ValueError, match="quant_u8_gemm must be one of"):
         engine(tiny_llama, quant_u8_gemm="always")
+    with pytest.raises(ValueError, match="quant_u8_gemm_x_runs must be 1 .. 8"):
+        engine(tiny_llama, quant_u8_gemm_x_runs=16)
+
+
+@needs_kernels
+def test_engine_passes_x_runs_to_each_layer(tiny_llama):
+    llm = engine(tiny_llama, quant_u8_gemm="on", quant_u8_gemm_x_runs=4)
+    layer = llm.engine.model.layers[0].down_proj
+    assert layer.u8_weight is not None and layer.u8_x_runs == 4
 
 
 def test_eval_ppl_checks_its_engine_options(capsys):
