@@ -28,6 +28,7 @@ CONFIGS = {
     "gguf weights, fp16 cache": {"quantization": "gguf", "kv_cache_dtype": "float16"},
     "gguf, fp16 cache, no q8 GEMM": {"quantization": "gguf", "kv_cache_dtype": "float16", "quant_q8_gemm": False},
     "gguf weights, int8 cache": {"quantization": "gguf", "kv_cache_dtype": "int8"},
+    "gguf, int8 cache, no u8 GEMM": {"quantization": "gguf", "kv_cache_dtype": "int8", "quant_u8_gemm": "off"},
 }
 
 
