@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hasten import LLM, SamplingParams
+from hasten import LLM
 from hasten.kernels import cpu_features, quant_linear
 from hasten.quant.evaluate import sequence_logits
 from hasten.quant.formats import GroupedInt8Weight, quantize_int4, quantize_int8
 from hasten.quant.kernels import make_layer
+from tests.quant.wide_paths import IDS, assert_loops_agree, small_engine
 
 needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
 
@@ -106,68 +107,50 @@ def test_cpu_has_amx_agrees_with_cpuinfo():
     assert cpu_features.cpu_has_amx() == expected
 
 
-IDS = [5, 17, 42, 99, 7, 250, 31, 8, 64, 12, 3, 77, 140, 2, 9, 33, 18, 200, 44, 61]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from hasten.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-bf16"), hidden_size=128, num_layers=2))
-
-
 def engine(model: str, **options) -> LLM:
-    kw = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24, quantization="int4",
-              quant_bf16_gemm_min_rows=6, attention_bf16_min_rows=6)
-    kw.update(options)
-    return LLM(model, **kw)
+    return small_engine(model, **({"quant_bf16_gemm_min_rows": 6, "attention_bf16_min_rows": 6} | options))
 
 
 @needs_kernels
 @pytest.mark.parametrize("options", [{}, {"quant_int4_kernel": "hasten-q8"}, {"quantization": "int8"},
                                      {"quant_method": "awq"}])
-def test_the_cpp_loop_takes_the_bf16_path_bit_identically(tiny_llama, options):
-    native = engine(tiny_llama, quant_bf16_gemm="on", **options)
-    python = engine(tiny_llama, quant_bf16_gemm="on", native_decoder_loop=False, **options)
+def test_the_cpp_loop_takes_the_bf16_path_bit_identically(tiny_model, options):
+    native = engine(tiny_model, quant_bf16_gemm="on", **options)
+    python = engine(tiny_model, quant_bf16_gemm="on", native_decoder_loop=False, **options)
     if native.engine.model.loop is None:
         pytest.skip("the C++ layer loop does not build here")
-    assert torch.equal(sequence_logits(native.engine.model, IDS), sequence_logits(python.engine.model, IDS))
+    assert_loops_agree(native, python)
     layer = python.engine.model.layers[0].qkv_proj
     assert layer.bf16_weight is not None and layer.calls["bf16"] > 0
     assert native.engine.model.wide_attention_rows == 6  # attention auto follows the projections
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    prompts = [IDS[:n] for n in (3, 9, 20)]  # decodes (narrow) beside chunked prefills (wide)
-    for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 @needs_kernels
 @pytest.mark.parametrize("options", [{}, {"quant_int4_kernel": "hasten-q8"}])
-def test_bf16_path_adds_little_next_to_quantization(tiny_llama, options):
+def test_bf16_path_adds_little_next_to_quantization(tiny_model, options):
     """bfloat16 rounding of x and of the dequantized weight moves the log-probabilities far less than
     int4 quantization itself does (measured: ~1/30 of it for exact int4, ~1/6 for int8 activations)."""
     def logprobs(llm: LLM) -> torch.Tensor:
         return torch.log_softmax(sequence_logits(llm.engine.model, IDS), -1)
 
-    on = logprobs(engine(tiny_llama, quant_bf16_gemm="on", **options))
-    off_llm = engine(tiny_llama, quant_bf16_gemm="off", **options)
+    on = logprobs(engine(tiny_model, quant_bf16_gemm="on", **options))
+    off_llm = engine(tiny_model, quant_bf16_gemm="off", **options)
     assert off_llm.engine.model.layers[0].qkv_proj.bf16_weight is None
     off = logprobs(off_llm)
-    full = logprobs(engine(tiny_llama, quantization=None))
+    full = logprobs(engine(tiny_model, quantization=None))
     assert (on - off).abs().mean().item() < 0.25 * (off - full).abs().mean().item()
 
 
-def test_a_bad_mode_is_a_clear_error(tiny_llama):
+def test_a_bad_mode_is_a_clear_error(tiny_model):
     with pytest.raises(ValueError, match="quant_bf16_gemm must be one of"):
-        engine(tiny_llama, quant_bf16_gemm="always")
+        engine(tiny_model, quant_bf16_gemm="always")
 
 
-def test_attention_auto_follows_the_projections(tiny_llama, monkeypatch):
+def test_attention_auto_follows_the_projections(tiny_model, monkeypatch):
     monkeypatch.setattr(cpu_features, "cpu_has_amx", lambda: True)
-    assert engine(tiny_llama, quantization=None).engine.model.wide_attention_rows == 0  # float32 stays exact
-    assert engine(tiny_llama).engine.model.wide_attention_rows == 0  # exact int4 kernel: no bfloat16 GEMM
-    assert engine(tiny_llama, quant_int4_kernel="hasten-q8").engine.model.wide_attention_rows == 6
-    assert engine(tiny_llama, quantization=None, attention_bf16="on").engine.model.wide_attention_rows == 6
+    assert engine(tiny_model, quantization=None).engine.model.wide_attention_rows == 0  # float32 stays exact
+    assert engine(tiny_model).engine.model.wide_attention_rows == 0  # exact int4 kernel: no bfloat16 GEMM
+    assert engine(tiny_model, quant_int4_kernel="hasten-q8").engine.model.wide_attention_rows == 6
+    assert engine(tiny_model, quantization=None, attention_bf16="on").engine.model.wide_attention_rows == 6
     with pytest.raises(ValueError, match="attention_bf16 must be one of"):
-        engine(tiny_llama, attention_bf16="yes")
+        engine(tiny_model, attention_bf16="yes")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hasten import LLM, SamplingParams
+from hasten import LLM
 from hasten.kernels import cpu_features, quant_linear
 from hasten.quant.evaluate import sequence_logits
 from hasten.quant.formats import quantize_int4, quantize_int8
 from hasten.quant.kernels import make_layer
+from tests.quant.wide_paths import IDS, assert_loops_agree, small_engine
 
 needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
 
@@ -171,63 +172,46 @@ def test_auto_takes_only_four_bit_layers_with_int8_activations(monkeypatch):
     assert make_layer(quantize_int8(w), int8_kernel="hasten-q8", u8_gemm="auto").u8_weight is None
 
 
-IDS = [5, 17, 42, 99, 7, 250, 31, 8, 64, 12, 3, 77, 140, 2, 9, 33, 18, 200, 44, 61]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    from hasten.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-u8"), hidden_size=128, num_layers=2))
-
-
 def engine(model: str, **options) -> LLM:
-    kw = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24, quantization="int4",
-              quant_int4_kernel="hasten-q8", quant_u8_gemm_min_rows=6, quant_bf16_gemm="off")
-    kw.update(options)
-    return LLM(model, **kw)
+    return small_engine(model, **({"quant_int4_kernel": "hasten-q8", "quant_u8_gemm_min_rows": 6,
+                                   "quant_bf16_gemm": "off"} | options))
 
 
 @needs_kernels
 @pytest.mark.parametrize("x_runs", [1, 4])
-def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_llama, x_runs):
-    native = engine(tiny_llama, quant_u8_gemm="on", quant_u8_gemm_x_runs=x_runs)
-    python = engine(tiny_llama, quant_u8_gemm="on", native_decoder_loop=False, quant_u8_gemm_x_runs=x_runs)
+def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_model, x_runs):
+    native = engine(tiny_model, quant_u8_gemm="on", quant_u8_gemm_x_runs=x_runs)
+    python = engine(tiny_model, quant_u8_gemm="on", native_decoder_loop=False, quant_u8_gemm_x_runs=x_runs)
     if native.engine.model.loop is None:
         pytest.skip("the C++ layer loop does not build here")
-    assert torch.equal(sequence_logits(native.engine.model, IDS), sequence_logits(python.engine.model, IDS))
+    assert_loops_agree(native, python)
     layer = python.engine.model.layers[0].gate_up_proj
     assert layer.u8_weight is not None and layer.calls["u8"] > 0
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    prompts = [IDS[:n] for n in (3, 9, 20)]  # decodes (narrow) beside chunked prefills (wide)
-    for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 @needs_kernels
-def test_u8_path_adds_little_next_to_quantization(tiny_llama):
+def test_u8_path_adds_little_next_to_quantization(tiny_model):
     def logprobs(llm: LLM) -> torch.Tensor:
         return torch.log_softmax(sequence_logits(llm.engine.model, IDS), -1)
 
-    on = logprobs(engine(tiny_llama, quant_u8_gemm="on"))
-    off_llm = engine(tiny_llama, quant_u8_gemm="off")
+    on = logprobs(engine(tiny_model, quant_u8_gemm="on"))
+    off_llm = engine(tiny_model, quant_u8_gemm="off")
     assert off_llm.engine.model.layers[0].qkv_proj.u8_weight is None
     off = logprobs(off_llm)
-    full = logprobs(engine(tiny_llama, quantization=None))
+    full = logprobs(engine(tiny_model, quantization=None))
     assert (on - off).abs().mean().item() < 0.25 * (off - full).abs().mean().item()
 
 
-def test_a_bad_mode_is_a_clear_error(tiny_llama):
+def test_a_bad_mode_is_a_clear_error(tiny_model):
     with pytest.raises(ValueError, match="quant_u8_gemm must be one of"):
-        engine(tiny_llama, quant_u8_gemm="always")
+        engine(tiny_model, quant_u8_gemm="always")
     with pytest.raises(ValueError, match="quant_u8_gemm_x_runs must be 1 .. 8"):
-        engine(tiny_llama, quant_u8_gemm_x_runs=16)
+        engine(tiny_model, quant_u8_gemm_x_runs=16)
 
 
 @needs_kernels
-def test_engine_passes_x_runs_to_each_layer(tiny_llama):
-    llm = engine(tiny_llama, quant_u8_gemm="on", quant_u8_gemm_x_runs=4)
+def test_engine_passes_x_runs_to_each_layer(tiny_model):
+    llm = engine(tiny_model, quant_u8_gemm="on", quant_u8_gemm_x_runs=4)
     layer = llm.engine.model.layers[0].down_proj
     assert layer.u8_weight is not None and layer.u8_x_runs == 4
 

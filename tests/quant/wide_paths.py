@@ -1,0 +1,29 @@
+"""Shared by the tests of the quantized layers' wide-call paths (quant_bf16_gemm, quant_u8_gemm): prompt
+ids, a small engine over the tiny model, and the check that the C++ layer loop matches the Python one."""
+
+from __future__ import annotations
+
+import torch
+
+from hasten import LLM, SamplingParams
+from hasten.quant.evaluate import sequence_logits
+
+IDS = [5, 17, 42, 99, 7, 250, 31, 8, 64, 12, 3, 77, 140, 2, 9, 33, 18, 200, 44, 61]
+
+
+def small_engine(model: str, **options) -> LLM:
+    """An int4 engine with a 24-token step budget: prompts of IDS prefill in chunks beside decodes."""
+    kw = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24, quantization="int4")
+    kw.update(options)
+    return LLM(model, **kw)
+
+
+def assert_loops_agree(native: LLM, python: LLM) -> None:
+    """Bit-identical logits of IDS, then identical greedy tokens and logprobs for decodes (narrow calls)
+    beside chunked prefills (wide calls)."""
+    assert torch.equal(sequence_logits(native.engine.model, IDS), sequence_logits(python.engine.model, IDS))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = [IDS[:n] for n in (3, 9, 20)]
+    for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
