@@ -174,17 +174,15 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   const QuantizedX xq(x, kChunk, share);
   const int8_t* xqp = xq.q.data_ptr<int8_t>();
   const float* xdp = xq.d.data_ptr<float>();
-  // the sum of the ROUNDED x: with it the offset term completes sum_k xq * (step * u + offset), so the
-  // result is the rounded x times the 8-bit weight. The exact float sum would leave x's rounding error
-  // times the offset (about the row's min, larger than most weights) in every output.
+  // the sum of the ROUNDED x (quantize_x_q8's run sums): with it the offset term completes
+  // sum_k xq * (step * u + offset), so the result is the rounded x times the 8-bit weight. The exact
+  // float sum left x's rounding error times the offset (about the row's min, larger than most weights)
+  // in every output: the GGUF's perplexity +3.0 % instead of +0.71 %.
+  const float* run_sums = xq.sums.data_ptr<float>();
   std::vector<float> xtot(M);
   for (int64_t m = 0; m < M; ++m) {
     float s = 0.0f;
-    for (int64_t c = 0; c < C; ++c) {
-      int32_t run = 0;
-      for (int64_t i = 0; i < kChunk; ++i) run += xqp[m * K + c * kChunk + i];
-      s += xdp[m * C + c] * static_cast<float>(run);
-    }
+    for (int64_t c = 0; c < C; ++c) s += run_sums[m * C + c];
     xtot[m] = s;
   }
   const uint8_t* wp = packed.data_ptr<uint8_t>();

@@ -74,8 +74,7 @@ inline float abs_max(const float* x, int64_t n) {
 // stored (C / share distinct values per row); C must be a multiple of share.
 inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int8_t* xq,
                                float* xd, float* xs, int64_t share = 1) {
-  // sums per group from the 32-runs' vectors when a group is whole runs (grouped int8 weights may
-  // use groups of 16: then the plain loop below)
+  // group sums (xs) of the rounded x, below; a group is whole 32-runs, or (grouped int8 weights) 16 k
   const int64_t C = K / kChunk, per_group = group % kChunk == 0 ? group / kChunk : 0;
   std::vector<float> shared_amax(share > 1 ? C / share : 0);
   for (int64_t m = m_begin; m < m_end; ++m) {
@@ -83,9 +82,6 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
     if (share > 1) {
       for (int64_t g = 0; g < C / share; ++g) shared_amax[g] = abs_max(xr + g * share * kChunk, share * kChunk);
     }
-#if defined(__AVX2__)
-    __m256 gsum = _mm256_setzero_ps();
-#endif
     for (int64_t c = 0; c < C; ++c) {
       const float* xc = xr + c * kChunk;
       int8_t* q = xq + m * K + c * kChunk;
@@ -95,11 +91,6 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
       for (int j = 0; j < 4; ++j) {
         v[j] = _mm256_loadu_ps(xc + 8 * j);
         a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
-      }
-      gsum = _mm256_add_ps(gsum, _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-      if (per_group > 0 && (c + 1) % per_group == 0) {
-        xs[m * (K / group) + c / per_group] = hasten_tiles::hsum(gsum);
-        gsum = _mm256_setzero_ps();
       }
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -135,12 +126,25 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
 #endif
       xd[m * C + c] = d;
     }
-#if defined(__AVX2__)
-    if (per_group > 0) continue;
-#endif
+    // The group sums of the ROUNDED x (d x the run's integer sum): a kernel's min term, min x xs, then
+    // completes sum_k xq_k (d q_k + min) = xq . w. With x's exact float sums, x's rounding error times
+    // q's mean (half a group's range, never centered) stayed in every output, as the 8-bit GEMM
+    // measured (gemm_u8_cpu.cpp); llama.cpp's Q8_1 blocks keep this sum for the same reason.
+    const int8_t* qr = xq + m * K;
     for (int64_t g = 0; g < K / group; ++g) {
       float s = 0.0f;
-      for (int64_t i = 0; i < group; ++i) s += xr[g * group + i];
+      if (per_group > 0) {
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+          int32_t run = 0;
+          for (int64_t i = 0; i < kChunk; ++i) run += qr[c * kChunk + i];
+          s += xd[m * C + c] * static_cast<float>(run);
+        }
+      } else {  // group of 16 k: k sits at run-order position k / 2 (even k) or 16 + k / 2 (odd k) of its run
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          const int64_t c = k / kChunk, i = k % kChunk;
+          s += xd[m * C + c] * static_cast<float>(qr[c * kChunk + (i % 2 ? kChunk / 2 + i / 2 : i / 2)]);
+        }
+      }
       xs[m * (K / group) + g] = s;
     }
   }
@@ -148,7 +152,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
 
 // x is quantized per 32 k to int8 with its own scale d (round to nearest, |q| <= 127), in the same
 // even/odd order as the codes; then each 32-run is one u8 x s8 multiply-add. The min term uses the
-// float group sums. Trades a relative error of about 1/254 per activation for ~3x fewer
+// group sums of the rounded x. Trades a relative error of about 1/254 per activation for ~3x fewer
 // instructions per weight than the float path. Rows split across threads when there are many.
 inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs,
                           int64_t share = 1) {

@@ -33,7 +33,7 @@ namespace {
 // [N8, G, 8]. One 32-byte load is then 4 consecutive positions of 8 weight rows (one row per 32-bit
 // lane), and a u8 x s8 multiply-add against 4 bytes of x broadcast to every lane yields 8 output
 // columns at once. Each 32-run's integer sums are scaled once (weight scale x activation scale),
-// the min term uses the exact float group sums.
+// the min term uses the group sums of the rounded x.
 // With AVX-VNNI / AVX512-VNNI one instruction does the u8 x s8 multiply-add into int32; plain
 // AVX2 uses maddubs into int16 (a run's 8 partial sums stay below 8 * 2 * 15 * 127 < 2^15).
 
@@ -539,7 +539,7 @@ at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
 // or 32, scales and mins float32 (no mins: all zero). Packed as the int8 weights above, scales and
 // mins as float32 [N8, G, 8]. Each group's integer sum is scaled by its own scale (group 16: a
 // 32-run holds two groups, k < 16 at positions 0-7 and 16-23, i.e. 4-byte steps kb = 0, 1, 4, 5 of
-// the run, k >= 16 at kb = 2, 3, 6, 7); the min term uses x's exact float group sums. The product
+// the run, k >= 16 at kb = 2, 3, 6, 7); the min term uses the group sums of the rounded x. The product
 // takes |q| (unsigned) times x carrying q's sign, as the AVX2 int8 path above (pairs below 2^15).
 
 namespace {

@@ -74,8 +74,8 @@ def test_grouped_int8_kernel_matches_reference(group, with_mins, m, n, k, thread
         torch.set_num_threads(before)
     codes = (q.double().view(n, k // group, group) * scales.double()[..., None]).view(n, k)
     want = q8_runs(x) @ codes.t()  # x rounded per 32, products exact
-    if mins is not None:  # the min term uses x's exact float group sums
-        want = want + x.double().view(m, k // group, group).sum(-1) @ mins.double().t()
+    if mins is not None:  # the min term uses the group sums of the rounded x
+        want = want + q8_runs(x).view(m, k // group, group).sum(-1) @ mins.double().t()
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
     weight = GroupedInt8Weight(q, scales, mins, group).dequantize().double()

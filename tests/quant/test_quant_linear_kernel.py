@@ -32,7 +32,8 @@ def reference(x, codes, scales, mins, group):
 
 
 def q8_reference(x, codes, scales, mins, group):
-    """Exact result of the int8-activation scheme: x rounded per 32 values, min term from float sums."""
+    """Exact result of the int8-activation scheme: x rounded per 32 values, the min term from the group
+    sums of the rounded x."""
     m, k = x.shape
     runs = x.float().view(m, k // 32, 32)  # the kernel's float32 steps: d = amax / 127, q = round(x * (1 / d))
     d = runs.abs().amax(-1, keepdim=True) / 127
@@ -41,7 +42,7 @@ def q8_reference(x, codes, scales, mins, group):
     n = codes.shape[0]
     w_codes = codes.double().view(n, k // group, group) * scales.double()[..., None]
     main = xq.view(m, k) @ w_codes.view(n, k).t()
-    sums = x.double().view(m, k // group, group).sum(-1)
+    sums = xq.view(m, k // group, group).sum(-1)
     return main + sums @ mins.double().t()
 
 
