@@ -55,14 +55,29 @@ inline float min_term(const at::Half* mins, const float* xs, int64_t G) {
 #endif
 
 // ---- x rounded to int8 per 32 k (llama.cpp's Q8 scheme), for the int8-activation kernels ------------
+#if defined(__AVX2__)
+// the largest of a's 8 lanes
+inline float hmax8(__m256 a) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// the sum of v's 8 int32 lanes
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
 // max |x[i]| over n (a multiple of 8) values
 inline float abs_max(const float* x, int64_t n) {
 #if defined(__AVX2__)
   __m256 a = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + i)));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  return hmax8(a);
 #else
   float a = 0.0f;
   for (int64_t i = 0; i < n; ++i) a = std::max(a, std::abs(x[i]));
@@ -77,6 +92,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
   // group sums (xs) of the rounded x, below; a group is whole 32-runs, or (grouped int8 weights) 16 k
   const int64_t C = K / kChunk, per_group = group % kChunk == 0 ? group / kChunk : 0;
   std::vector<float> shared_amax(share > 1 ? C / share : 0);
+  std::vector<int32_t> run_sum(C);  // this row's integer sum of q per 32-run, taken as q is rounded
   for (int64_t m = m_begin; m < m_end; ++m) {
     const float* xr = x + m * K;
     if (share > 1) {
@@ -87,14 +103,9 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
       int8_t* q = xq + m * K + c * kChunk;
 #if defined(__AVX2__)
       // the same arithmetic 8 lanes at a time (vcvtps2dq rounds to nearest even, as nearbyint)
-      __m256 v[4], a = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(xc + 8 * j);
-        a = _mm256_max_ps(a, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float amax = share > 1 ? shared_amax[c / share] : _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xc + 8 * j);
+      const float amax = share > 1 ? shared_amax[c / share] : abs_max(xc, kChunk);
       const float d = amax / 127.0f;
       const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
       // run order: the even k of the 32 first, then the odd ones. shuffle_ps picks them per 128-bit
@@ -109,19 +120,20 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
       const __m256i o1 = _mm256_cvtps_epi32(_mm256_mul_ps(pick(v[2], v[3], 1), inv));
       // int32 -> int8 (|value| <= 127: no saturation); packs work per 128-bit lane, the permute
       // restores the order e0, e1, o0, o1
+      run_sum[c] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(e0, e1), _mm256_add_epi32(o0, o1)));
       const __m256i w16a = _mm256_packs_epi32(e0, e1), w16b = _mm256_packs_epi32(o0, o1);
       const __m256i w8 = _mm256_packs_epi16(w16a, w16b);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                           _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::abs(xc[i]));
-      if (share > 1) amax = shared_amax[c / share];
+      const float amax = share > 1 ? shared_amax[c / share] : abs_max(xc, kChunk);
       const float d = amax / 127.0f;
       const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+      run_sum[c] = 0;
       for (int64_t i = 0; i < kChunk / 2; ++i) {
         q[i] = static_cast<int8_t>(std::nearbyint(xc[2 * i] * inv));
         q[kChunk / 2 + i] = static_cast<int8_t>(std::nearbyint(xc[2 * i + 1] * inv));
+        run_sum[c] += q[i] + q[kChunk / 2 + i];
       }
 #endif
       xd[m * C + c] = d;
@@ -134,11 +146,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
     for (int64_t g = 0; g < K / group; ++g) {
       float s = 0.0f;
       if (per_group > 0) {
-        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
-          int32_t run = 0;
-          for (int64_t i = 0; i < kChunk; ++i) run += qr[c * kChunk + i];
-          s += xd[m * C + c] * static_cast<float>(run);
-        }
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) s += xd[m * C + c] * static_cast<float>(run_sum[c]);
       } else {  // group of 16 k: k sits at run-order position k / 2 (even k) or 16 + k / 2 (odd k) of its run
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
           const int64_t c = k / kChunk, i = k % kChunk;
