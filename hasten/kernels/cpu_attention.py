@@ -33,6 +33,7 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     wide_rows: int = 0,
+    int8_rows: int = 0,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -42,9 +43,19 @@ def paged_attention(
     window > 0: each query token sees only its last `window` keys (sliding-window attention; no
     prefix groups then). softcap > 0: each scaled score x becomes softcap * tanh(x / softcap).
     wide_rows > 0: a sequence with that many new tokens (no soft cap, a window reaching key 0) attends
-    through SDPA in bfloat16 over its gathered keys and values instead (AMX tiles where present)."""
+    through SDPA in bfloat16 over its gathered keys and values instead (AMX tiles where present).
+    int8_rows > 0 (an int8 cache, head_dim 64 / 96 / 128, a build with AVX-512 VNNI; no soft cap, a
+    window reaching key 0): a sequence with that many new tokens has each query row rounded to int8
+    (one absmax scale) and its scores taken as integer dot products with the key codes
+    (attention_int8_scores.h); elsewhere it is ignored."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                               window, softcap, wide_rows)
+                               window, softcap, wide_rows, int8_rows)
+
+
+def int8_scores_available() -> bool:
+    """Whether this build has the VNNI path of paged_attention's int8_rows."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.attention_int8_has_tiles())

@@ -1,4 +1,5 @@
-"""What this CPU offers the wide paths (quant_bf16_gemm, attention_bf16, quant_u8_gemm in hasten.config)."""
+"""What this CPU offers the wide paths (quant_bf16_gemm, attention_bf16, quant_u8_gemm, attention_int8_scores
+in hasten.config)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,23 @@ def resolve_u8_rows(mode: str, min_rows: int, auto_applies: bool = True) -> int:
         if not u8_gemm_has_tiles():
             return 0
     return min_rows
+
+
+def resolve_int8_attention_rows(mode: str, min_rows: int, int8_cache: bool) -> int:
+    """attention_int8_scores (auto | on | off) and its row threshold -> paged_attention's int8_rows (0:
+    off). auto is on for an int8 KV cache where the kernels built with the VNNI path; on asks for that
+    path (an int8 cache is still needed for it to apply)."""
+    if mode not in BF16_MODES:
+        raise ValueError(f"attention_int8_scores must be one of {BF16_MODES}, not {mode!r}")
+    if min_rows < 2:
+        raise ValueError(f"attention_int8_scores_min_rows must be >= 2, not {min_rows}")
+    if mode == "off" or (mode == "auto" and not int8_cache):
+        return 0
+    from hasten.kernels.cpu_attention import int8_scores_available
+
+    if int8_scores_available():
+        return min_rows
+    if mode == "on":
+        raise ValueError("attention_int8_scores=on needs the C++ kernels built with AVX-512 VNNI (this build has "
+                         "no such path); use auto or off")
+    return 0

@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_int8_scores.h"
 #include "attention_math.h"
 
 #ifndef PREFETCH_AHEAD
@@ -276,7 +277,7 @@ inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
-         int64_t window, double softcap, const std::vector<char>& wide, at::Tensor& out) {
+         int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
@@ -284,6 +285,33 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
            static_cast<float>(scale), window, static_cast<float>(softcap)};
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
+  // sequences whose scores are integer dot products (attention_int8_scores.h): their keys and values
+  // are packed once here, and their tiles read the packed units
+  std::vector<int64_t> unit_offset(S, -1), unit_count(S, 0);
+  std::vector<uint8_t> units;
+#if defined(HASTEN_INT8_SCORES)
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    int64_t bytes = 0;
+    std::vector<std::array<int64_t, 3>> jobs;  // sequence, kv head, unit
+    for (int64_t s = 0; s < S && int8_rows > 0 && softcap == 0.0 && int8_scores_take(sh.D); ++s) {
+      if (wide[s] || qs[s + 1] - qs[s] < std::max<int64_t>(int8_rows, 2) || (window > 0 && cl[s] > window)) continue;
+      unit_offset[s] = bytes;
+      unit_count[s] = (cl[s] + kUnitKeys - 1) / kUnitKeys;
+      for (int64_t h = 0; h < sh.KVH; ++h)
+        for (int64_t u = 0; u < unit_count[s]; ++u) jobs.push_back({s, h, u});
+      bytes += sh.KVH * unit_count[s] * int8_unit_bytes(sh.D);
+    }
+    units.resize(bytes);
+    const int64_t ub = int8_unit_bytes(sh.D);
+    at::parallel_for(0, static_cast<int64_t>(jobs.size()), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const auto [s, h, u] = jobs[i];
+        pack_unit(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>() + s * sh.max_blocks,
+                  cl[s], u, h, sh.BS, sh.KVH, sh.D, units.data() + unit_offset[s] + (h * unit_count[s] + u) * ub);
+      }
+    });
+  }
+#endif
   int64_t decodes = 0;
   for (int64_t s = 0; s < S; ++s) decodes += qs[s + 1] - qs[s] == 1;  // wide sequences are never decodes
   // at most max_group members, and groups small enough that every thread gets two or more; none
@@ -320,6 +348,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         // the plain causal path compiles as it did before windows and soft caps existed (its speed is
         // sensitive to the compiler's view of it); a soft cap, or a window shorter than the item's
         // context, takes the general one
+#if defined(HASTEN_INT8_SCORES)
+        if (const Item& it = items[i]; unit_offset[it.seq] >= 0) {
+          attend_tile_int8(q.data_ptr<scalar_t>(), qs[it.seq], qs[it.seq + 1] - qs[it.seq], cl[it.seq], it.q_begin,
+                           it.q_end, it.head_begin, it.head_end, sh.H, sh.G, sh.D, sh.scale,
+                           units.data() + unit_offset[it.seq], unit_count[it.seq], out.data_ptr<scalar_t>());
+          continue;
+        }
+#endif
         auto item = softcap > 0.0 ? attend_item<scalar_t, cache_t, true, true>
                     : window > 0 && cl[items[i].seq] > window ? attend_item<scalar_t, cache_t, true, false>
                                                               : attend_item<scalar_t, cache_t, false, false>;
@@ -354,10 +390,19 @@ void attend_wide(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 }  // namespace
 
+bool attention_int8_has_tiles() {
+#if defined(HASTEN_INT8_SCORES)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
-                           int64_t max_group, int64_t window, double softcap, int64_t wide_rows) {
+                           int64_t max_group, int64_t window, double softcap, int64_t wide_rows,
+                           int64_t int8_rows) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -402,16 +447,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, out);
+                                  window, softcap, wide, int8_rows, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, out);
+                                  window, softcap, wide, int8_rows, out);
     else if (int8_cache)
       run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, out);
+                                  window, softcap, wide, int8_rows, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, out);
+                                  window, softcap, wide, int8_rows, out);
   });
   for (int64_t s = 0; s < S && any_wide; ++s)
     if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);

@@ -11,6 +11,7 @@ and its RoPE table (Gemma 3's sliding-window layers have their own theta).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,18 @@ from hasten.model.moe import moe_forward
 from hasten.model.rope import RotaryEmbedding, apply_rope
 from hasten.model.weights import LayerWeights, StateReader, load_layer
 
-__all__ = ["Decoder", "LayerWeights", "wide_attention_rows"]
+__all__ = ["Decoder", "LayerWeights", "PrefillAttention", "prefill_attention"]
+
+
+@dataclass(frozen=True)
+class PrefillAttention:
+    """How the C++ attention kernel serves sequences with many new tokens (prefill chunks); 0: off.
+    bf16_rows: from that many, bfloat16 SDPA over the gathered keys and values (attention_bf16);
+    int8_rows: from that many, over an int8 cache, q and the softmax weights rounded to 8 bits against
+    the cache's codes (attention_int8_scores; paged_attention's int8_rows)."""
+
+    bf16_rows: int = 0
+    int8_rows: int = 0
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -89,7 +101,7 @@ class Decoder:
         self.embed_scale = torch.tensor(cfg.embed_scale).to(self.device, dtype) if cfg.embed_scale != 1.0 else None
         self.act = ACTIVATION_FNS[cfg.hidden_act]
         self.attention_group = attention_group
-        self.wide_attention_rows = 0  # set_wide_attention_rows
+        self.prefill_attention = PrefillAttention()  # set_prefill_attention
         self.fast_silu = False  # set_fast_silu
         self.returns_residual = False  # a pipeline stage before the last: forward() ends at the residual stream
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
@@ -100,12 +112,12 @@ class Decoder:
             if self.loop is not None:
                 self.loop.set_attention_group(attention_group)
 
-    def set_wide_attention_rows(self, rows: int) -> None:
-        """rows > 0: a sequence with that many new tokens attends in bfloat16 SDPA over its gathered
-        keys and values (paged_attention's wide_rows; the C++ attention kernel only); 0: off."""
-        self.wide_attention_rows = rows
+    def set_prefill_attention(self, paths: PrefillAttention) -> None:
+        """The C++ attention kernel's paths for sequences with many new tokens (PrefillAttention)."""
+        self.prefill_attention = paths
         if self.loop is not None:
-            self.loop.set_wide_attention_rows(rows)
+            self.loop.set_wide_attention_rows(paths.bf16_rows)
+            self.loop.set_int8_attention_rows(paths.int8_rows)
 
     def set_fast_silu(self, on: bool) -> None:
         """on: the fused SiLU-multiply takes its vectorized exp (~2 ulp) wherever the down projection
@@ -153,7 +165,8 @@ class Decoder:
 
     def _attend(self, i: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
-                               window=self.windows[i], softcap=self.softcap, wide_rows=self.wide_attention_rows)
+                               window=self.windows[i], softcap=self.softcap,
+                               wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -272,16 +285,21 @@ class Decoder:
         return out
 
 
-def wide_attention_rows(model: Decoder, config: Any) -> int:
-    """attention_bf16's rows for `model` under an EngineConfig: auto turns it on where the projections
-    took bfloat16 for wide calls too (quant_bf16_gemm)."""
-    from hasten.kernels.cpu_features import resolve_bf16_rows
+def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
+    """The prefill attention paths for `model` under an EngineConfig. attention_bf16's auto turns it on
+    where the projections took bfloat16 for wide calls too (quant_bf16_gemm); attention_int8_scores'
+    auto turns it on for an int8 KV cache where the kernels have its AVX-512 VNNI path."""
+    from hasten.kernels.cpu_features import resolve_bf16_rows, resolve_int8_attention_rows
 
     bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
     mode = config.attention_bf16
     if mode == "auto":  # the projections' own auto already asked for AMX; here it follows them
         mode = "on" if bf16_gemm else "off"
-    return resolve_bf16_rows("attention_bf16", mode, config.attention_bf16_min_rows)
+    return PrefillAttention(
+        bf16_rows=resolve_bf16_rows("attention_bf16", mode, config.attention_bf16_min_rows),
+        int8_rows=resolve_int8_attention_rows(config.attention_int8_scores, config.attention_int8_scores_min_rows,
+                                              config.kv_cache_dtype == "int8"),
+    )
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

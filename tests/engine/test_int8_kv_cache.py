@@ -151,3 +151,111 @@ def test_engine_with_an_int8_cache_stays_close_to_transformers(tiny_models):
 def test_engine_refuses_an_int8_cache_where_no_kernel_reads_it(tiny_models, options, why):
     with pytest.raises(ValueError, match=why):
         LLM(tiny_models("llama"), kv_cache_dtype="int8", num_kv_blocks=64, max_model_len=256, **options)
+
+
+INT8_SCORE_CASES = [
+    ([100, 64, 9, 300], [100, 3, 9, 40], 9, 3, 64, 16),  # whole prefill, spec verify, decode, chunk after context
+    ([45, 90, 33], [45, 33, 1], 28, 4, 128, 16),  # 7 query heads per kv head, head_dim 128
+    ([70, 20], [70, 20], 6, 2, 96, 8),  # head_dim 96, blocks of 8 (units of 16 keys span two blocks)
+    ([200], [57], 4, 4, 64, 32),  # MHA, blocks of 32, a chunk after 143 tokens
+    ([33, 70], [33, 1], 6, 2, 20, 16),  # head_dim 20: not taken, the float path
+]
+
+
+def round_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The queries attention_int8_scores.h computes with: q * scale rounded to int8 per row (absmax /
+    127, half to even), divided by scale again so that reference() may apply it."""
+    qs = q.double() * scale
+    amax = qs.abs().amax(-1, keepdim=True)
+    return torch.round(qs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))) * (amax / 127.0) / scale
+
+
+@pytest.mark.parametrize("case", INT8_SCORE_CASES, ids=[f"case{i}" for i in range(len(INT8_SCORE_CASES))])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_scores_match_float64_over_the_rounded_queries(case, threads):
+    ctx, new, heads, kv_heads, head_dim, block_size = case
+    gen = torch.Generator().manual_seed(sum(ctx) + head_dim * 3 + block_size)
+    packed, dequant = int8_inputs(make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, torch.float32))
+    scale = head_dim**-0.5
+    got = attention_on_threads(threads, *packed, scale, int8_rows=2)
+    plain = cpu_attention.paged_attention(*packed, scale)
+    # a build without AVX-512 VNNI has no such path: int8_rows changes nothing there
+    taken = head_dim in (64, 96, 128) and cpu_attention.int8_scores_available()
+    rows = torch.repeat_interleave(torch.tensor(new) >= 2, torch.tensor(new))  # the rows of sequences it takes
+    if taken:
+        err = (got.double() - reference(round_queries(dequant[0], scale), *dequant[1:], scale)).abs()[rows]
+        exact = (got.double() - reference(*dequant, scale)).abs()[rows]
+        assert err.max().item() < 2e-5
+        assert exact.mean().item() > 100 * err.mean().item()  # the rounding is real, and is what it says
+        assert exact.max().item() < 0.15  # peaky random scores (q ~ 2 N(0, 1)): the rounding shows
+    # decode rows (one new token) and head sizes it does not take are the float path's, bit for bit
+    same = ~rows if taken else torch.ones_like(rows)
+    assert torch.equal(got[same], plain[same])
+
+
+def test_int8_scores_leave_windows_soft_caps_and_short_runs_to_the_float_path():
+    gen = torch.Generator().manual_seed(11)
+    packed, _ = int8_inputs(make_inputs(gen, [120, 40], [60, 40], 9, 3, 64, 16, torch.float32))
+    if not cpu_attention.int8_scores_available():  # no VNNI path in this build: the float path throughout
+        assert torch.equal(cpu_attention.paged_attention(*packed, 0.125, int8_rows=2),
+                           cpu_attention.paged_attention(*packed, 0.125))
+        return
+    assert torch.equal(cpu_attention.paged_attention(*packed, 0.125, int8_rows=2, softcap=30.0),
+                       cpu_attention.paged_attention(*packed, 0.125, softcap=30.0))
+    # a window of 50: the 120-token sequence keeps the float path, the 40-token one (its window reaches
+    # key 0) is plain causal attention and is taken
+    got = cpu_attention.paged_attention(*packed, 0.125, int8_rows=2, window=50)
+    plain = cpu_attention.paged_attention(*packed, 0.125, window=50)
+    assert torch.equal(got[:60], plain[:60]) and not torch.equal(got[60:], plain[60:])
+    # a window that reaches key 0 of every sequence is plain causal attention: taken
+    assert not torch.equal(cpu_attention.paged_attention(*packed, 0.125, int8_rows=2, window=500),
+                           cpu_attention.paged_attention(*packed, 0.125))
+    # int8_rows above a sequence's new tokens: that sequence keeps the float path
+    got = cpu_attention.paged_attention(*packed, 0.125, int8_rows=50)
+    plain = cpu_attention.paged_attention(*packed, 0.125)
+    assert torch.equal(got[60:], plain[60:]) and not torch.equal(got[:60], plain[:60])
+
+
+def test_int8_scores_switch_resolves(monkeypatch):
+    from hasten.kernels import cpu_features
+
+    resolve = cpu_features.resolve_int8_attention_rows
+    assert resolve("off", 16, True) == 0
+    assert resolve("auto", 16, False) == 0  # another cache dtype: nothing to score in int8
+    monkeypatch.setattr(cpu_attention, "int8_scores_available", lambda: True)
+    assert resolve("auto", 16, True) == 16 and resolve("on", 8, False) == 8
+    monkeypatch.setattr(cpu_attention, "int8_scores_available", lambda: False)
+    assert resolve("auto", 16, True) == 0
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        resolve("on", 16, True)
+    with pytest.raises(ValueError, match="attention_int8_scores must be one of"):
+        resolve("yes", 16, True)
+    with pytest.raises(ValueError, match="attention_int8_scores_min_rows must be >= 2"):
+        resolve("auto", 1, True)
+
+
+def test_engine_scores_prefill_chunks_in_int8(tiny_models):
+    from tests.quant.wide_paths import IDS, assert_loops_agree
+
+    path = tiny_models("llama", hidden_size=128, num_heads=2, num_kv_heads=1)  # head_dim 64
+    kw = dict(kv_cache_dtype="int8", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24)
+    if not cpu_attention.int8_scores_available():  # a build without AVX-512 VNNI: auto is off, on refused
+        assert LLM(path, **kw).engine.model.prefill_attention.int8_rows == 0
+        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+            LLM(path, attention_int8_scores="on", **kw)
+        return
+    on = LLM(path, attention_int8_scores_min_rows=4, **kw)
+    off = LLM(path, attention_int8_scores="off", **kw)
+    assert on.engine.model.prefill_attention.int8_rows == 4 and off.engine.model.prefill_attention.int8_rows == 0
+    assert LLM(path, **kw).engine.model.prefill_attention.int8_rows == 16  # auto, the default threshold
+    assert LLM(path, num_kv_blocks=64, max_model_len=512).engine.model.prefill_attention.int8_rows == 0  # float32 cache
+    # the C++ layer loop and the Python one call the kernel with the same rows: bit-identical
+    assert_loops_agree(on, LLM(path, attention_int8_scores_min_rows=4, native_decoder_loop=False, **kw))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
+    prompts = [IDS * 3, IDS[:13] * 2]
+    worst = 0.0
+    for a, b in zip(on.generate(prompts, params), off.generate(prompts, params), strict=True):
+        for i in range(1, len(a.prompt_token_ids)):
+            tok = a.prompt_token_ids[i]
+            worst = max(worst, abs(a.prompt_logprobs[i][tok] - b.prompt_logprobs[i][tok]))
+    assert 0.0 < worst < 5e-2  # taken (the rounding shows), as close as the int8 cache itself is to float32

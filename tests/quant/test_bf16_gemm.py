@@ -122,7 +122,7 @@ def test_the_cpp_loop_takes_the_bf16_path_bit_identically(tiny_model, options):
     assert_loops_agree(native, python)
     layer = python.engine.model.layers[0].qkv_proj
     assert layer.bf16_weight is not None and layer.calls["bf16"] > 0
-    assert native.engine.model.wide_attention_rows == 6  # attention auto follows the projections
+    assert native.engine.model.prefill_attention.bf16_rows == 6  # attention auto follows the projections
 
 
 @needs_kernels
@@ -148,9 +148,9 @@ def test_a_bad_mode_is_a_clear_error(tiny_model):
 
 def test_attention_auto_follows_the_projections(tiny_model, monkeypatch):
     monkeypatch.setattr(cpu_features, "cpu_has_amx", lambda: True)
-    assert engine(tiny_model, quantization=None).engine.model.wide_attention_rows == 0  # float32 stays exact
-    assert engine(tiny_model).engine.model.wide_attention_rows == 0  # exact int4 kernel: no bfloat16 GEMM
-    assert engine(tiny_model, quant_int4_kernel="hasten-q8").engine.model.wide_attention_rows == 6
-    assert engine(tiny_model, quantization=None, attention_bf16="on").engine.model.wide_attention_rows == 6
+    assert engine(tiny_model, quantization=None).engine.model.prefill_attention.bf16_rows == 0  # float32 stays exact
+    assert engine(tiny_model).engine.model.prefill_attention.bf16_rows == 0  # exact int4 kernel: no bfloat16 GEMM
+    assert engine(tiny_model, quant_int4_kernel="hasten-q8").engine.model.prefill_attention.bf16_rows == 6
+    assert engine(tiny_model, quantization=None, attention_bf16="on").engine.model.prefill_attention.bf16_rows == 6
     with pytest.raises(ValueError, match="attention_bf16 must be one of"):
         engine(tiny_model, attention_bf16="yes")
