@@ -5,7 +5,8 @@
 1. paged attention, 64 decode sequences (contexts 32-700, SmolLM2 heads: 9 q / 3 kv, D=64,
    blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA, and the
    kernel over a float16 copy of the cache (kv_cache_dtype=float16);
-2. one 512-token causal prefill: kernel vs SDPA;
+2. one 512-token causal prefill: kernel vs SDPA; a 256-token prefill over 30 layers of an int8
+   cache (kv_cache_dtype=int8): the float path vs attention_int8_scores (q rounded to int8, VNNI);
 3. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
    activations), hasten-q8 (int8 activations), aten int4pack (bf16 activations), fp32 oneDNN;
    int8 lm_head (49152 x 576) at 1 and 16 rows: hasten vs aten int8pack;
@@ -74,6 +75,33 @@ def attention_prefill(repeats: int) -> tuple[float, float]:
             best_ms(lambda: paged_attention(q, k_cache, v_cache, sdpa, kvh, 0.125), repeats, 5))
 
 
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as an int8 cache stores it: D codes (absmax / 127) and their float32 scale."""
+    amax = x.abs().amax(-1, keepdim=True)
+    codes = torch.round(x * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).to(torch.int8)
+    return torch.cat([codes, (amax / 127.0).contiguous().view(torch.int8)], -1).contiguous()
+
+
+def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> tuple[float, float] | None:
+    """ms for one n-token prefill's attention over `layers` layers of an int8 cache: float path, int8
+    scores; None where this build has no int8-score path (no AVX-512 VNNI)."""
+    from hasten.kernels import cpu_attention
+
+    if not cpu_attention.int8_scores_available():
+        return None
+    bs, kvh, heads, d = 16, 3, 9, 64
+    tables = torch.arange(n // bs, dtype=torch.int32).view(1, -1)
+    meta = (tables, torch.tensor([0, n]), torch.tensor([n]))
+    calls = [(torch.randn(n, heads, d), int8_rows(torch.randn(n // bs, bs, kvh, d)),
+              int8_rows(torch.randn(n // bs, bs, kvh, d))) for _ in range(layers)]
+
+    def run(rows: int) -> None:
+        for q, k, v in calls:
+            cpu_attention.paged_attention(q, k, v, *meta, 0.125, int8_rows=rows)
+
+    return best_ms(lambda: run(0), repeats, 2), best_ms(lambda: run(16), repeats, 2)
+
+
 def int4_layers(repeats: int, rows: int) -> dict[str, float]:
     from hasten.model.linear import OneDNNLinear
     from hasten.quant.formats import Int4Weight, pack_nibbles
@@ -133,6 +161,12 @@ def main() -> None:
     kernel, sdpa = attention_prefill(args.repeats)
     print(f"attention, 512-token prefill, 1 layer: kernel {kernel:7.2f} ms  SDPA        {sdpa:7.2f} ms  "
           f"ratio {sdpa / kernel:5.2f}x")
+    int8 = attention_prefill_int8(args.repeats)
+    if int8 is None:
+        print("attention, int8 cache, 256-token prefill: no int8-score path in this build (AVX-512 VNNI)")
+    else:
+        print(f"attention, int8 cache, 256-token prefill, 30 layers: float path {int8[0]:7.2f} ms  int8 scores "
+              f"{int8[1]:7.2f} ms  ratio {int8[0] / int8[1]:5.2f}x")
     for rows in (1, 16):
         t = int4_layers(args.repeats, rows)
         cells = "  ".join(f"{k} {v:6.3f} ms" for k, v in t.items())

@@ -258,11 +258,22 @@ void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int
                       int64_t head_begin, int64_t head_end, int64_t H, int64_t G, int64_t D, float scale,
                       const uint8_t* units, int64_t count, scalar_t* out) {
   const int64_t rows = (q_end - q_begin) * G, ub = int8_unit_bytes(D);
-  std::vector<uint8_t> codes(rows * D);
-  std::vector<float> sq(rows), res(rows * D);
-  std::vector<int64_t> last(rows);
-  std::vector<const uint8_t*> qc(rows);
-  std::vector<float*> dst(rows);
+  // per-thread buffers, reused from item to item (no allocation or zero fill per item)
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> sq, res;
+  thread_local std::vector<int64_t> last;
+  thread_local std::vector<const uint8_t*> qc;
+  thread_local std::vector<float*> dst;
+  if (static_cast<int64_t>(sq.size()) < rows) {
+    sq.resize(rows);
+    last.resize(rows);
+    qc.resize(rows);
+    dst.resize(rows);
+  }
+  if (static_cast<int64_t>(codes.size()) < rows * D) {
+    codes.resize(rows * D);
+    res.resize(rows * D);
+  }
   for (int64_t h = head_begin; h < head_end; ++h) {
     for (int64_t t = 0; t < q_end - q_begin; ++t) {
       for (int64_t g = 0; g < G; ++g) {

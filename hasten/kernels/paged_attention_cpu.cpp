@@ -38,6 +38,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -288,7 +289,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // sequences whose scores are integer dot products (attention_int8_scores.h): their keys and values
   // are packed once here, and their tiles read the packed units
   std::vector<int64_t> unit_offset(S, -1), unit_count(S, 0);
-  std::vector<uint8_t> units;
+  std::unique_ptr<uint8_t[]> units;  // every byte is written by pack_unit: no zero fill
 #if defined(HASTEN_INT8_SCORES)
   if constexpr (std::is_same_v<cache_t, int8_t>) {
     int64_t bytes = 0;
@@ -301,13 +302,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         for (int64_t u = 0; u < unit_count[s]; ++u) jobs.push_back({s, h, u});
       bytes += sh.KVH * unit_count[s] * int8_unit_bytes(sh.D);
     }
-    units.resize(bytes);
+    units.reset(new uint8_t[std::max<int64_t>(bytes, 1)]);
     const int64_t ub = int8_unit_bytes(sh.D);
     at::parallel_for(0, static_cast<int64_t>(jobs.size()), 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const auto [s, h, u] = jobs[i];
         pack_unit(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>() + s * sh.max_blocks,
-                  cl[s], u, h, sh.BS, sh.KVH, sh.D, units.data() + unit_offset[s] + (h * unit_count[s] + u) * ub);
+                  cl[s], u, h, sh.BS, sh.KVH, sh.D, units.get() + unit_offset[s] + (h * unit_count[s] + u) * ub);
       }
     });
   }
@@ -333,6 +334,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (int64_t s = 0; s < S; ++s) {
     if (groups.grouped[s] || wide[s]) continue;
     const int64_t n = qs[s + 1] - qs[s];
+    if (unit_offset[s] >= 0) {  // integer scores: the last tiles (the most keys) first, so no thread
+      for (int64_t t0 = (n - 1) / q_tile * q_tile; t0 >= 0; t0 -= q_tile)  // is left with a long one at the end
+        for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
+          items.push_back({s, t0, std::min(n, t0 + q_tile), h, std::min(sh.KVH, h + heads_per_item)});
+      continue;
+    }
     for (int64_t t0 = 0; t0 < n; t0 += q_tile)
       for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
         items.push_back({s, t0, std::min(n, t0 + q_tile), h, std::min(sh.KVH, h + heads_per_item)});
@@ -352,7 +359,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (const Item& it = items[i]; unit_offset[it.seq] >= 0) {
           attend_tile_int8(q.data_ptr<scalar_t>(), qs[it.seq], qs[it.seq + 1] - qs[it.seq], cl[it.seq], it.q_begin,
                            it.q_end, it.head_begin, it.head_end, sh.H, sh.G, sh.D, sh.scale,
-                           units.data() + unit_offset[it.seq], unit_count[it.seq], out.data_ptr<scalar_t>());
+                           units.get() + unit_offset[it.seq], unit_count[it.seq], out.data_ptr<scalar_t>());
           continue;
         }
 #endif
