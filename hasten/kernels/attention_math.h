@@ -248,6 +248,25 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive8 on 16 lanes: the same operations in the same order (so the same values).
+inline __m512 exp_nonpositive16_exact(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(2.187750486e-04f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.238782145e-03f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(9.684580455e-03f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.548042632e-02f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(2.402305020e-01f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(6.931469287e-01f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.000000003e+00f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // max(m, s[0], ..., s[n - 1]) (a max is exact, so the order does not matter). This and
 // exp_shifted_sum are forced inline: with two instantiations of update_rows (soft cap or not) the
 // compiler stopped inlining them, a call per row per 16-key block.

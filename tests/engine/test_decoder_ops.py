@@ -104,6 +104,18 @@ def test_fast_silu_mul_stays_close_to_float64(rows, inter):
     assert torch.equal(ops.silu_mul(gate_up.to(torch.bfloat16), True), ops.silu_mul(gate_up.to(torch.bfloat16)))
 
 
+def test_fast_silu_mul_lanes_match_the_scalar_loop():
+    """The 16- and 8-lane loops run sigmoid_fast's operations in its order: every column equals the same
+    value computed alone (a one-column call takes the scalar loop)."""
+    gen = torch.Generator().manual_seed(8)
+    inter = 45  # two 16-lane passes, one 8-lane pass, a scalar tail of 5
+    gate_up = torch.randn(7, 2 * inter, generator=gen) * 6
+    got = ops.silu_mul(gate_up, True)
+    for j in range(inter):
+        alone = ops.silu_mul(gate_up[:, [j, inter + j]].contiguous(), True)
+        assert torch.equal(alone[:, 0], got[:, j]), j
+
+
 def test_bad_inputs_raise():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight"):
