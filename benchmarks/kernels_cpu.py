@@ -7,10 +7,12 @@
    kernel over a float16 copy of the cache (kv_cache_dtype=float16);
 2. one 512-token causal prefill: kernel vs SDPA; a 256-token prefill over 30 layers of an int8
    cache (kv_cache_dtype=int8): the float path vs attention_int8_scores (q rounded to int8, VNNI);
-3. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
+3. SiLU-multiply of a 512-token step over 30 layers (512 x 2 x 1536): the C++ op with its vectorized
+   exp (fast=True, what int8-activation layers get) vs the exact op vs F.silu(gate) * up;
+4. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
    activations), hasten-q8 (int8 activations), aten int4pack (bf16 activations), fp32 oneDNN;
    int8 lm_head (49152 x 576) at 1 and 16 rows: hasten vs aten int8pack;
-4. (unless --skip-engine) batch-1 decode of SmolLM2 fp32 with the fused decoder glue on/off.
+5. (unless --skip-engine) batch-1 decode of SmolLM2 fp32 with the fused decoder glue on/off.
 Each timing is the best of --repeats rounds; the machine is noisy, read the ratios.
 """
 
@@ -102,6 +104,19 @@ def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> tupl
     return best_ms(lambda: run(0), repeats, 2), best_ms(lambda: run(16), repeats, 2)
 
 
+def silu_mul_step(repeats: int, rows: int = 512, inter: int = 1536, layers: int = 30) -> dict[str, float]:
+    """ms for `layers` SiLU-multiplies of [rows, 2 * inter]: the C++ op fast / exact, and PyTorch."""
+    from hasten.kernels import decoder_ops
+
+    ops = decoder_ops.load()
+    xs = [torch.randn(rows, 2 * inter) * 3 for _ in range(layers)]
+    return {
+        "fast": best_ms(lambda: [ops.silu_mul(x, True) for x in xs], repeats, 1),
+        "exact": best_ms(lambda: [ops.silu_mul(x) for x in xs], repeats, 1),
+        "torch": best_ms(lambda: [torch.nn.functional.silu(x[:, :inter]) * x[:, inter:] for x in xs], repeats, 1),
+    }
+
+
 def int4_layers(repeats: int, rows: int) -> dict[str, float]:
     from hasten.model.linear import OneDNNLinear
     from hasten.quant.formats import Int4Weight, pack_nibbles
@@ -167,6 +182,9 @@ def main() -> None:
     else:
         print(f"attention, int8 cache, 256-token prefill, 30 layers: float path {int8[0]:7.2f} ms  int8 scores "
               f"{int8[1]:7.2f} ms  ratio {int8[0] / int8[1]:5.2f}x")
+    t = silu_mul_step(args.repeats)
+    print(f"SiLU-multiply, 512 x 1536, 30 layers   : fast {t['fast']:6.2f} ms  exact {t['exact']:6.2f} ms  "
+          f"PyTorch {t['torch']:6.2f} ms  ratio PyTorch/fast {t['torch'] / t['fast']:4.2f}x")
     for rows in (1, 16):
         t = int4_layers(args.repeats, rows)
         cells = "  ".join(f"{k} {v:6.3f} ms" for k, v in t.items())
