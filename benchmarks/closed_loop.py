@@ -2,13 +2,16 @@
 
     python benchmarks/closed_loop.py '{"fp16 cache": {"kv_cache_dtype": "float16"},
                                       "int8 cache": {"kv_cache_dtype": "int8"}}' [--concurrency 32] [--rounds 2]
+                                      [--parts]
 
 Every configuration (LLM options as JSON, on top of `quantization="gguf"`) is built on the default
 model's GGUF. Each round sends `--concurrency` requests of `--prompt` random tokens at once
 (greedy, `--output` tokens, ignore_eos) to each configuration in turn and steps the engine until all
 finish - the load of `vllm bench serve --max-concurrency C` without HTTP, the client or the server
-process. Prints per wave the output tokens/s and the time in steps that carried prefill tokens
-("mixed") and in pure decode steps.
+process. Prints per wave the output tokens/s, when the last request got its first token (the TTFT
+of the last of the requests that arrived together: what a TTFT p99 under that load measures), and
+the time in steps that carried prefill tokens ("mixed") and in pure decode steps; with --parts also
+where a mixed step's time goes inside the C++ layer loop (its per-part timers, ms per mixed step).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _servers import find_gguf  # noqa: E402
 
 
-def wave(engine, prompts: list[list[int]], output: int, tag: str) -> dict:
+def wave(engine, prompts: list[list[int]], output: int, tag: str, parts: bool = False) -> dict:
     from hasten import SamplingParams
 
     params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0)
@@ -40,18 +43,37 @@ def wave(engine, prompts: list[list[int]], output: int, tag: str) -> dict:
 
     engine.scheduler.schedule = traced
     split = {"mixed": [0, 0.0], "decode": [0, 0.0]}
+    started: set[str] = set()  # requests with a first token
+    last_first = 0.0
+    loop = engine.model.loop if parts else None  # the C++ layer loop's per-part timers
+    mixed_parts: dict[str, float] = {}
+    if loop is not None:
+        loop.set_profiling(True)
     t0 = time.perf_counter()
     try:
         while engine.scheduler.has_work():
             b = time.perf_counter()
+            before = loop.timings() if loop is not None else {}
             engine.step()
             kind = "decode" if seen["tokens"] == seen["seqs"] else "mixed"
             split[kind][0] += 1
             split[kind][1] += time.perf_counter() - b
+            if loop is not None and kind == "mixed":
+                for name, sec in loop.timings().items():
+                    if name != "calls":
+                        mixed_parts[name] = mixed_parts.get(name, 0.0) + sec - before[name]
+            if len(started) < len(prompts):
+                started.update(r.request_id for r in engine.scheduler.running if r.output_token_ids)
+                if len(started) == len(prompts):
+                    last_first = time.perf_counter() - t0
     finally:
         engine.scheduler.schedule = schedule
+        if loop is not None:
+            loop.set_profiling(False)
     total = time.perf_counter() - t0
-    return {"tok_s": len(prompts) * output / total, "seconds": total, **split}
+    per_step = {k: v / max(1, split["mixed"][0]) * 1e3 for k, v in mixed_parts.items()}
+    return {"tok_s": len(prompts) * output / total, "seconds": total, "last_first": last_first, "parts": per_step,
+            **split}
 
 
 def main() -> None:
@@ -61,6 +83,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parts", action="store_true", help="per-part times of the mixed steps (C++ layer loop)")
     args = ap.parse_args()
     from hasten import LLM
 
@@ -72,10 +95,13 @@ def main() -> None:
     for rnd in range(args.rounds):
         prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt)] for _ in range(args.concurrency)]
         for name, engine in engines.items():
-            w = wave(engine, prompts, args.output, f"r{rnd}")
+            w = wave(engine, prompts, args.output, f"r{rnd}", args.parts)
             print(f"round {rnd} {name:<20} {w['tok_s']:6.1f} tok/s  wave {w['seconds']:.2f} s  "
+                  f"last first token {w['last_first']:.2f} s  "
                   f"mixed {w['mixed'][0]} steps {w['mixed'][1]:.2f} s  decode {w['decode'][0]} steps "
                   f"{w['decode'][1]:.2f} s ({w['decode'][1] / max(1, w['decode'][0]) * 1e3:.1f} ms/step)", flush=True)
+            if w["parts"]:
+                print("    per mixed step: " + "  ".join(f"{k} {v:.1f} ms" for k, v in w["parts"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@
 // So the result differs from the float path only by the rounding of q to int8 (llama.cpp's CPU
 // attention rounds q the same way against a q8_0 cache); the softmax weights and values are not
 // rounded. Measured on 2 Zen 4 cores, 30 layers of a 256-token prefill (9 heads, 3 kv heads, D 64):
-// ~27 -> ~14 ms. Rounding P to 8 bits too (P V as VNNI multiply-adds) took ~10 % more off the kernel
+// ~27 -> ~16 ms. Rounding P to 8 bits too (P V as VNNI multiply-adds) took ~10 % more off the kernel
 // but cost the default GGUF ~1 point of top-1 agreement; not kept.
 #pragma once
 
