@@ -123,23 +123,6 @@ inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_
   return top / 127.0f;
 }
 
-// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's polynomial in fused multiply-adds.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(2.187750486e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.238782145e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.684580455e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.548042632e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402305020e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469287e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000003e+00f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 constexpr int64_t kChunkUnits = 16;  // units scored before one softmax update (256 keys)
 
 // NR query rows (codes q + 128, D bytes each, scales sq, newest visible key positions last[r]) over

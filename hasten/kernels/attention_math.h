@@ -250,7 +250,7 @@ inline __m256 exp_nonpositive8(__m256 x) {
 
 #if defined(__AVX512F__)
 // exp_nonpositive8 on 16 lanes: the same operations in the same order (so the same values).
-inline __m512 exp_nonpositive16_exact(__m512 x) {
+inline __m512 exp_nonpositive16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);

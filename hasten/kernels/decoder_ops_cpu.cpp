@@ -234,7 +234,7 @@ void silu_mul_fast_rows(const float* gp, float* op, int64_t T, int64_t I) {
       for (; i + 16 <= I; i += 16) {
         const __m512 x = _mm512_loadu_ps(g + i);
         const __mmask16 neg = _mm512_cmp_ps_mask(x, zero16, _CMP_LT_OQ);
-        const __m512 e = hasten_attention::exp_nonpositive16_exact(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero16, x), x));
+        const __m512 e = hasten_attention::exp_nonpositive16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero16, x), x));
         const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one16, e), _mm512_add_ps(one16, e));
         _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
       }
