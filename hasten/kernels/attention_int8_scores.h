@@ -24,10 +24,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -96,31 +94,16 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
 }
 
 #if defined(HASTEN_INT8_SCORES)
-// q[0 .. D) times `scale` rounded to int8 with one absmax scale (round half to even), stored as
-// q + 128; returns the scale. D % 16 == 0.
+// q[0 .. D) times `scale` rounded as an int8 cache row is (quantize_int8_row: one absmax scale, round
+// half to even), stored as q + 128 (the code with its sign bit flipped); returns the scale. D <= 256.
 template <typename scalar_t>
 inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_t* out) {
-  alignas(64) float x[256];
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    __m512 v;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      v = _mm512_loadu_ps(q + d);
-    } else {
-      for (int64_t i = 0; i < 16; ++i) x[d + i] = static_cast<float>(q[d + i]);
-      v = _mm512_load_ps(x + d);
-    }
-    v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
-    _mm512_store_ps(x + d, v);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-  }
-  const float top = _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + d), inv)), _mm512_set1_epi32(128));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm512_cvtepi32_epi8(c));
-  }
-  return top / 127.0f;
+  float x[256];
+  int8_t row[256 + kInt8ScaleBytes];
+  for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(q[d]) * scale;
+  quantize_int8_row(x, D, row);
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint8_t>(row[d]) ^ 0x80u;
+  return int8_row_scale(row, D);
 }
 
 constexpr int64_t kChunkUnits = 16;  // units scored before one softmax update (256 keys)

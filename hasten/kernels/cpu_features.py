@@ -22,13 +22,19 @@ def cpu_has_amx() -> bool:
 BF16_MODES = ("auto", "on", "off")
 
 
+def check_switch(option: str, mode: str, min_rows: int, least_rows: int = 1) -> None:
+    """A wide-path switch (auto | on | off) and its `<option>_min_rows` threshold, refused with the
+    option's name when out of range."""
+    if mode not in BF16_MODES:
+        raise ValueError(f"{option} must be one of {BF16_MODES}, not {mode!r}")
+    if min_rows < least_rows:
+        raise ValueError(f"{option}_min_rows must be >= {least_rows}, not {min_rows}")
+
+
 def resolve_bf16_rows(option: str, mode: str, min_rows: int, auto_applies: bool = True) -> int:
     """A bfloat16 switch (auto | on | off) and its row threshold -> the threshold in force (0: off).
     auto is on where the CPU has AMX and `auto_applies` (e.g. only for quantized models)."""
-    if mode not in BF16_MODES:
-        raise ValueError(f"{option} must be one of {BF16_MODES}, not {mode!r}")
-    if min_rows < 1:
-        raise ValueError(f"{option}_min_rows must be >= 1, not {min_rows}")
+    check_switch(option, mode, min_rows)
     if mode == "off" or (mode == "auto" and not (auto_applies and cpu_has_amx())):
         return 0
     return min_rows
@@ -37,10 +43,7 @@ def resolve_bf16_rows(option: str, mode: str, min_rows: int, auto_applies: bool 
 def resolve_u8_rows(mode: str, min_rows: int, auto_applies: bool = True) -> int:
     """quant_u8_gemm (auto | on | off) and its row threshold -> the threshold in force (0: off). auto
     is on where the kernels built with the u8 GEMM's AVX-512 VNNI tiles and `auto_applies`."""
-    if mode not in BF16_MODES:
-        raise ValueError(f"quant_u8_gemm must be one of {BF16_MODES}, not {mode!r}")
-    if min_rows < 1:
-        raise ValueError(f"quant_u8_gemm_min_rows must be >= 1, not {min_rows}")
+    check_switch("quant_u8_gemm", mode, min_rows)
     if mode == "off" or (mode == "auto" and not auto_applies):
         return 0
     if mode == "auto":
@@ -55,10 +58,7 @@ def resolve_int8_attention_rows(mode: str, min_rows: int, int8_cache: bool) -> i
     """attention_int8_scores (auto | on | off) and its row threshold -> paged_attention's int8_rows (0:
     off). auto is on for an int8 KV cache where the kernels built with the VNNI path; on asks for that
     path (an int8 cache is still needed for it to apply)."""
-    if mode not in BF16_MODES:
-        raise ValueError(f"attention_int8_scores must be one of {BF16_MODES}, not {mode!r}")
-    if min_rows < 2:
-        raise ValueError(f"attention_int8_scores_min_rows must be >= 2, not {min_rows}")
+    check_switch("attention_int8_scores", mode, min_rows, least_rows=2)
     if mode == "off" or (mode == "auto" and not int8_cache):
         return 0
     from hasten.kernels.cpu_attention import int8_scores_available

@@ -292,25 +292,29 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::unique_ptr<uint8_t[]> units;  // every byte is written by pack_unit: no zero fill
 #if defined(HASTEN_INT8_SCORES)
   if constexpr (std::is_same_v<cache_t, int8_t>) {
+    const int64_t ub = int8_unit_bytes(sh.D);
     int64_t bytes = 0;
     std::vector<std::array<int64_t, 3>> jobs;  // sequence, kv head, unit
-    for (int64_t s = 0; s < S && int8_rows > 0 && softcap == 0.0 && int8_scores_take(sh.D); ++s) {
-      if (wide[s] || qs[s + 1] - qs[s] < std::max<int64_t>(int8_rows, 2) || (window > 0 && cl[s] > window)) continue;
-      unit_offset[s] = bytes;
-      unit_count[s] = (cl[s] + kUnitKeys - 1) / kUnitKeys;
-      for (int64_t h = 0; h < sh.KVH; ++h)
-        for (int64_t u = 0; u < unit_count[s]; ++u) jobs.push_back({s, h, u});
-      bytes += sh.KVH * unit_count[s] * int8_unit_bytes(sh.D);
-    }
-    units.reset(new uint8_t[std::max<int64_t>(bytes, 1)]);
-    const int64_t ub = int8_unit_bytes(sh.D);
-    at::parallel_for(0, static_cast<int64_t>(jobs.size()), 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const auto [s, h, u] = jobs[i];
-        pack_unit(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>() + s * sh.max_blocks,
-                  cl[s], u, h, sh.BS, sh.KVH, sh.D, units.get() + unit_offset[s] + (h * unit_count[s] + u) * ub);
+    if (int8_rows > 0 && softcap == 0.0 && int8_scores_take(sh.D)) {
+      for (int64_t s = 0; s < S; ++s) {
+        if (wide[s] || qs[s + 1] - qs[s] < std::max<int64_t>(int8_rows, 2) || (window > 0 && cl[s] > window)) continue;
+        unit_offset[s] = bytes;
+        unit_count[s] = (cl[s] + kUnitKeys - 1) / kUnitKeys;
+        for (int64_t h = 0; h < sh.KVH; ++h)
+          for (int64_t u = 0; u < unit_count[s]; ++u) jobs.push_back({s, h, u});
+        bytes += sh.KVH * unit_count[s] * ub;
       }
-    });
+    }
+    if (bytes > 0) {  // decode-only calls allocate and pack nothing
+      units.reset(new uint8_t[bytes]);
+      at::parallel_for(0, static_cast<int64_t>(jobs.size()), 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const auto [s, h, u] = jobs[i];
+          pack_unit(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>() + s * sh.max_blocks,
+                    cl[s], u, h, sh.BS, sh.KVH, sh.D, units.get() + unit_offset[s] + (h * unit_count[s] + u) * ub);
+        }
+      });
+    }
   }
 #endif
   int64_t decodes = 0;

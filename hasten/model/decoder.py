@@ -31,8 +31,8 @@ __all__ = ["Decoder", "LayerWeights", "PrefillAttention", "prefill_attention"]
 class PrefillAttention:
     """How the C++ attention kernel serves sequences with many new tokens (prefill chunks); 0: off.
     bf16_rows: from that many, bfloat16 SDPA over the gathered keys and values (attention_bf16);
-    int8_rows: from that many, over an int8 cache, q and the softmax weights rounded to 8 bits against
-    the cache's codes (attention_int8_scores; paged_attention's int8_rows)."""
+    int8_rows: from that many, over an int8 cache, scores of q rounded to int8 against the cache's key
+    codes (attention_int8_scores; paged_attention's int8_rows)."""
 
     bf16_rows: int = 0
     int8_rows: int = 0
