@@ -23,6 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response
 
 from hasten import __version__
+from hasten.runtime.heap import freeze_heap
 from hasten.server import protocol as P
 from hasten.server.auth import APIKeyMiddleware
 from hasten.server.chat import chat_prompt, create_chat_completion
@@ -79,6 +80,9 @@ class ServerState:
     supervisor: EngineSupervisor | None = None
     down_reason: str | None = None  # set while a failed engine is being replaced
     structured: StructuredLimits | None = None  # response_format budgets (grammar_limits.py)
+    # `hasten serve`: the server process owns its heap, so once an engine is up everything allocated
+    # so far leaves the collector's scans (runtime/heap.py); never for an app built inside another program
+    freeze_heap_after_load: bool = False
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +110,8 @@ class ServerState:
                 self.serving = Serving(engine, self.metrics, names, self.structured)
             self.ready = True
             self.startup_seconds = t_warm - t0
+            if self.freeze_heap_after_load:
+                logger.debug("%d objects of the server's start-up heap frozen", freeze_heap())
             logger.info("ready: serving %s (max_model_len=%d) after %.2fs (engine build %.2fs, start %.2fs; "
                         "weights loaded and warm-up step run)", names[0], engine.max_model_len, t_warm - t0,
                         t_loaded - t0, t_warm - t_loaded)
@@ -125,6 +131,8 @@ class ServerState:
     async def _build_engine(self) -> Any:
         engine = await asyncio.to_thread(self.engine_factory)
         await engine.start()
+        if self.freeze_heap_after_load:  # a thread-mode engine's new objects live as long as it does
+            freeze_heap()
         return engine
 
     def _install(self, engine: Any) -> None:
@@ -190,9 +198,12 @@ def build_app(engine_factory: Callable[[], Any], served_names: list[str] | None 
               on_load_failure: Callable[[BaseException], None] | None = None,
               supervision: SupervisionConfig | None = None, limits: HTTPLimits | None = None,
               structured: StructuredLimits | None = None, api_key: str | None = None,
-              protect_metrics: bool = False, tool_call_parser: str | None = None) -> FastAPI:
-    """`tool_call_parser`: the tool-call format `tool_choice: "auto"` recognises (default: the chat template's)."""
-    state = ServerState(engine_factory, served_names, on_load_failure, structured=structured)
+              protect_metrics: bool = False, tool_call_parser: str | None = None,
+              freeze_heap_after_load: bool = False) -> FastAPI:
+    """`tool_call_parser`: the tool-call format `tool_choice: "auto"` recognises (default: the chat template's).
+    `freeze_heap_after_load`: this process is the server's own (`hasten serve`): freeze its heap once the engine is up."""
+    state = ServerState(engine_factory, served_names, on_load_failure, structured=structured,
+                        freeze_heap_after_load=freeze_heap_after_load)
     limits = limits or HTTPLimits()
     if supervision is not None:
         state.supervision = supervision

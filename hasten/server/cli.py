@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     options = engine_options(args)
     if args.engine_factory is None:
         check_engine_options(options, args.task)
+    if not isinstance(options.get("gc_freeze", True), bool):
+        raise _usage_error(f"gc_freeze must be True or False, not {options['gc_freeze']!r}")
     if args.task == "embed" and args.chat_template:
         raise _usage_error("--chat-template does not apply to --task embed")
     template = read_chat_template(args.chat_template)
@@ -347,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = http_limits(args)
     app = build_app(build_engine, args.served_model_name, on_load_failure, supervision=supervision,
                     limits=limits, structured=structured_limits(args), api_key=key,
-                    protect_metrics=args.protect_metrics, tool_call_parser=args.tool_call_parser)
+                    protect_metrics=args.protect_metrics, tool_call_parser=args.tool_call_parser,
+                    freeze_heap_after_load=options.get("gc_freeze", True))
     loop, http = _fast_loop_and_http()
     config = uvicorn.Config(app, host=args.host, port=args.port, loop=loop, log_level=args.log_level,
                             access_log=args.access_log, lifespan="on", log_config=None,

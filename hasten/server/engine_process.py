@@ -76,6 +76,7 @@ def _always() -> bool:
 def _child_main(conn: Connection) -> None:
     from hasten.config import EngineConfig
     from hasten.engine.engine import LLMEngine
+    from hasten.runtime.heap import freeze_heap
     from hasten.server.structured import set_process_tokenizer
 
     try:
@@ -89,9 +90,12 @@ def _child_main(conn: Connection) -> None:
             engine.step()
         engine.kv.reset_prefix_cache()
         set_process_tokenizer(engine.tokenizer)
+        # this process lives for the engine: its start-up heap stays out of the collector's scans, so no
+        # full collection walks it between two steps (EngineConfig.gc_freeze)
+        frozen = freeze_heap() if engine.config.gc_freeze else 0
         conn.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                              "tokenizer": engine.tokenizer if send_tokenizer else None,
-                             "seconds": time.time() - t0}))
+                             "seconds": time.time() - t0, "gc_frozen": frozen}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails start-up
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -261,6 +265,7 @@ class ProcessEngine:
         self.max_model_len: int = info["max_model_len"]
         self.tokenizer = info["tokenizer"]
         self.load_seconds: float = info["seconds"]
+        self.gc_frozen_objects: int = info["gc_frozen"]  # objects the engine process froze after start-up
         self._streams: dict[str, _Stream] = {}
         self._stats = EngineStats()
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -60,6 +60,8 @@ def test_unknown_engine_option_exits_before_listening() -> None:
     assert "listening" not in r.stderr + r.stdout
     r = hasten("serve", "--task", "embed", "-O", "dtype='float16'", timeout=60)
     assert r.returncode == 2 and "num_threads" in r.stderr
+    r = hasten("serve", "-O", "gc_freeze=maybe", "--port", str(free_port()), timeout=60)
+    assert r.returncode == 2 and "gc_freeze must be True or False, not 'maybe'" in r.stderr, r.stderr
 
 
 def test_bad_chat_template_exits_2(tmp_path: Path) -> None:

@@ -230,3 +230,17 @@ def test_engine_process_death_is_reported(tiny_model: Path) -> None:
             time.sleep(0.02)
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code in (500, 503), r.text  # failed engine, then restarting: never a hang
+
+
+def test_engine_process_freezes_its_start_up_heap(tiny_model: Path) -> None:
+    """EngineConfig.gc_freeze: the engine process freezes what start-up allocated (its objects leave the
+    cyclic collector's full scans); gc_freeze=False leaves them in."""
+    engines = [_process_engine(str(tiny_model), **OPTIONS),
+               _process_engine(str(tiny_model), **OPTIONS, gc_freeze=False)]
+    try:
+        frozen, unfrozen = (e.gc_frozen_objects for e in engines)
+        assert frozen > 50_000 and unfrozen == 0, (frozen, unfrozen)
+    finally:
+        for e in engines:
+            e._proc.kill()
+            e._proc.wait()
