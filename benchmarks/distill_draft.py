@@ -3,7 +3,8 @@
   - the training budget: time, tokens, peak RSS, held-out agreement, vocabulary coverage (draft.json);
   - on held-out ShareGPT chat prompts that training never read (the evaluation split, past the
     prompts the trainer holds out): acceptance rate and tokens per verification step;
-  - batch-1 decode tokens/s with the trained draft vs no speculation vs n-gram lookup, interleaved
+  - batch-1 decode tokens/s with the trained draft vs no speculation vs n-gram lookup vs both
+    (`ngram+eagle`: lookup after a match of 2+ tokens, the head elsewhere), interleaved
     over rounds, for each engine setting (float32, the exact default; the GGUF blocks with a float16
     cache, the fastest); and at batch 16 (adaptive depth), draft vs none.
 
@@ -75,7 +76,8 @@ def run_setting(name: str, options: dict, draft: str, prompts: list[list[int]], 
     from hasten import LLM, SamplingParams
     from hasten.engine.spec import SpecStats
 
-    modes = {"none": {}, "ngram": {"speculative": "ngram"}, "eagle": {"speculative": f"eagle:{draft}"}}
+    modes = {"none": {}, "ngram": {"speculative": "ngram"}, "eagle": {"speculative": f"eagle:{draft}"},
+             "ngram+eagle": {"speculative": f"ngram+eagle:{draft}"}}
     llms = {m: LLM(None, max_model_len=2048, kv_cache_memory_gb=0.5, **options, **o) for m, o in modes.items()}
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for llm in llms.values():  # warm-up (kernels, adaptive depth's cost fit)
@@ -91,6 +93,9 @@ def run_setting(name: str, options: dict, draft: str, prompts: list[list[int]], 
             st = llm.engine.spec_stats
             stats[m] = {"acceptance": st.acceptance_rate, "tokens_per_step": st.emitted / st.steps if st.steps else 1.0,
                         "proposed": st.proposed}
+            if hasattr(llm.engine.proposer, "lookup_drafts"):  # the hybrid: which side drafted, over all rounds
+                stats[m] |= {"lookup_drafts": llm.engine.proposer.lookup_drafts,
+                             "head_drafts": llm.engine.proposer.head_drafts}
         for m in b16:
             t = time.perf_counter()
             outs = llms[m].generate(batch_prompts, params, use_tqdm=False)
@@ -100,6 +105,7 @@ def run_setting(name: str, options: dict, draft: str, prompts: list[list[int]], 
     return {"setting": name, "batch1_decode_tok_s": med, "batch1_runs": b1, "batch16_out_tok_s": med16,
             "batch16_runs": b16, "spec": stats,
             "eagle_vs_none": med["eagle"] / med["none"], "ngram_vs_none": med["ngram"] / med["none"],
+            "hybrid_vs_none": med["ngram+eagle"] / med["none"],
             "eagle_vs_none_batch16": med16["eagle"] / med16["none"]}
 
 
@@ -143,14 +149,17 @@ def main() -> None:
     timed, batch = prompts[: args.prompts], prompts[args.prompts : args.prompts + 16]
     results = [run_setting(s, SETTINGS[s], str(out), timed, batch, args.max_tokens, args.rounds)
                for s in args.settings.split(",")]
-    print("\n| setting | none tok/s | n-gram tok/s | EAGLE tok/s | EAGLE / none | n-gram / none | acceptance "
-          "| tokens / step | batch 16: EAGLE / none |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| setting | none tok/s | n-gram tok/s | EAGLE tok/s | n-gram+EAGLE tok/s | EAGLE / none | n-gram / none "
+          "| n-gram+EAGLE / none | acceptance (EAGLE, n-gram+EAGLE) | tokens / step (same) | batch 16: EAGLE / none |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        d, sp = r["batch1_decode_tok_s"], r["spec"]["eagle"]
-        print(f"| {r['setting']} | {d['none']:.1f} | {d['ngram']:.1f} | {d['eagle']:.1f} | {r['eagle_vs_none']:.2f}x "
-              f"| {r['ngram_vs_none']:.2f}x | {sp['acceptance']:.3f} | {sp['tokens_per_step']:.2f} "
+        d, sp, hy = r["batch1_decode_tok_s"], r["spec"]["eagle"], r["spec"]["ngram+eagle"]
+        print(f"| {r['setting']} | {d['none']:.1f} | {d['ngram']:.1f} | {d['eagle']:.1f} | {d['ngram+eagle']:.1f} "
+              f"| {r['eagle_vs_none']:.2f}x | {r['ngram_vs_none']:.2f}x | {r['hybrid_vs_none']:.2f}x "
+              f"| {sp['acceptance']:.3f}, {hy['acceptance']:.3f} | {sp['tokens_per_step']:.2f}, {hy['tokens_per_step']:.2f} "
               f"| {r['eagle_vs_none_batch16']:.2f}x |")
+        print(f"  n-gram+EAGLE drafts by side ({r['setting']}, all rounds): lookup {hy.get('lookup_drafts')}, "
+              f"head {hy.get('head_drafts')}")
     if args.json:
         Path(args.json).write_text(json.dumps({"report": report, "results": results}, indent=2))
 

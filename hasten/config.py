@@ -37,7 +37,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
     # speculative decoding
-    speculative: str | None = None  # None | "ngram" | "draft:<model path>" | "eagle:<head folder>" (hasten distill draft)
+    # None | "ngram" | "draft:<model path>" | "eagle:<head folder>" (hasten distill draft) | "ngram+eagle:<head folder>"
+    # (prompt lookup after a match of max(2, ngram_min) tokens or more, the head elsewhere: spec/hybrid.py)
+    speculative: str | None = None
     # quantize the draft model (e.g. "int4"); an EAGLE head: int8 unless "none"
     speculative_draft_quantization: str | None = None
     num_speculative_tokens: int = 4  # the most draft tokens verified per request per step

@@ -213,7 +213,14 @@ class LLMEngine:
             from hasten.engine.spec.eagle import EagleProposer
 
             return EagleProposer(spec.split(":", 1)[1], self)
-        raise ValueError(f"unknown speculative method {spec!r}: use 'ngram', 'draft:<model path>' or 'eagle:<folder>'")
+        if spec.startswith("ngram+eagle:"):
+            from hasten.engine.spec.eagle import EagleProposer
+            from hasten.engine.spec.hybrid import HybridProposer
+
+            return HybridProposer(EagleProposer(spec.split(":", 1)[1], self), max(2, self.config.ngram_min),
+                                  self.config.ngram_max, self.config.ngram_scaled_depth)
+        raise ValueError(f"unknown speculative method {spec!r}: use 'ngram', 'draft:<model path>', 'eagle:<folder>' "
+                         "or 'ngram+eagle:<folder>'")
 
     # ------------------------------------------------------------ requests in
 

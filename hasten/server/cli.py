@@ -79,7 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
     p.add_argument("--num-threads", type=int)
-    p.add_argument("--speculative", help="speculative decoding: ngram | draft:<model path> | eagle:<folder from hasten distill draft>")
+    p.add_argument("--speculative", help="speculative decoding: ngram | draft:<model path> | eagle:<folder from hasten distill draft> "
+                        "| ngram+eagle:<folder> (prompt lookup after a match of 2+ tokens, the head elsewhere)")
     p.add_argument("--num-speculative-tokens", type=int, help="most draft tokens verified per step")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose the depth per step from acceptance rates (default on)")

@@ -90,28 +90,33 @@ def trained_head(target, tmp_path_factory):
     return folder
 
 
-def _spec_llm(target: str, head: Path, depth: int = 3, **kw) -> LLM:
-    return LLM(target, num_kv_blocks=512, max_model_len=1024, speculative=f"eagle:{head}", speculative_adaptive=False,
+def _spec_llm(target: str, head: Path, depth: int = 3, method: str = "eagle", **kw) -> LLM:
+    return LLM(target, num_kv_blocks=512, max_model_len=1024, speculative=f"{method}:{head}", speculative_adaptive=False,
                num_speculative_tokens=depth, **kw)
 
 
-@pytest.mark.parametrize("which", ["untrained", "trained", "trained-int8"])
+@pytest.mark.parametrize("which", ["untrained", "trained", "trained-int8", "hybrid"])
 def test_greedy_identical_batched_and_alone_with_prefix_hits_and_chunks(target, untrained_head, trained_head, which):
     head = untrained_head if which == "untrained" else trained_head
     base = LLM(target, num_kv_blocks=512, max_model_len=1024)
     quant = "int8" if which.endswith("int8") else "none"
+    method = "ngram+eagle" if which == "hybrid" else "eagle"
     spec = _spec_llm(target, head, max_num_batched_tokens=32,  # prompts arrive in chunks
-                     speculative_draft_quantization=quant)
+                     speculative_draft_quantization=quant, method=method)
     if quant == "int8":
         assert type(spec.engine.proposer.head.lm_head).__name__ == "Int8Linear"
     prompts = _prompts(base.engine.model_config.vocab_size)
     prompts.append(prompts[0][:40] + [5, 6, 7])  # shares a cached prefix with the first
+    prompts.append(prompts[1][:30] * 3)  # repeats itself: prompt lookup finds long matches
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)] == ref
     assert [spec.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts[:3]] == ref[:3]
     st = spec.engine.get_stats()
-    assert st.spec_proposer.startswith("eagle:") and st.spec_proposed_tokens > 0
-    assert not spec.engine.proposer.states  # every request's head state was released
+    assert st.spec_proposer.startswith(f"{method}:") and st.spec_proposed_tokens > 0
+    eagle = spec.engine.proposer.eagle if which == "hybrid" else spec.engine.proposer
+    assert not eagle.states  # every request's head state was released
+    if which == "hybrid":  # both sides drafted
+        assert spec.engine.proposer.lookup_drafts > 0 and spec.engine.proposer.head_drafts > 0
     assert spec.engine.kv.num_free_blocks == 512
 
 
@@ -127,9 +132,10 @@ def test_a_trained_head_is_accepted_far_more_than_an_untrained_one(target, untra
     assert rates["trained-int8"] > 0.8 * rates["trained"], rates  # int8 weights barely change the head
 
 
-def test_sampling_distribution_unchanged_with_a_trained_head(target, trained_head):
+@pytest.mark.parametrize("method", ["eagle", "ngram+eagle"])
+def test_sampling_distribution_unchanged_with_a_trained_head(target, trained_head, method):
     base = LLM(target, num_kv_blocks=1024, max_model_len=512, max_num_seqs=128)
-    spec = LLM(target, num_kv_blocks=1024, max_model_len=512, max_num_seqs=128, speculative=f"eagle:{trained_head}",
+    spec = LLM(target, num_kv_blocks=1024, max_model_len=512, max_num_seqs=128, speculative=f"{method}:{trained_head}",
                speculative_adaptive=False, num_speculative_tokens=2)
     sp = SamplingParams(temperature=1.0, top_k=8, max_tokens=3, ignore_eos=True)
     prompt = _prompts(base.engine.model_config.vocab_size, n=1, seed=3)[0]
@@ -142,6 +148,8 @@ def test_sampling_distribution_unchanged_with_a_trained_head(target, trained_hea
     a, b = histogram(base, 3), histogram(spec, 4)
     st = spec.engine.get_stats()
     assert st.spec_proposed_tokens >= 400 and st.spec_accepted_tokens > 0
+    if method == "ngram+eagle":  # sampled tokens rarely extend a repeat: the head drafts (lookup: greedy test)
+        assert spec.engine.proposer.head_drafts > 0
     assert _chi_square_p(a, b) > 0.001
 
 
