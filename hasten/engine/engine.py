@@ -217,8 +217,8 @@ class LLMEngine:
             from hasten.engine.spec.eagle import EagleProposer
             from hasten.engine.spec.hybrid import HybridProposer
 
-            return HybridProposer(EagleProposer(spec.split(":", 1)[1], self), max(2, self.config.ngram_min),
-                                  self.config.ngram_max, self.config.ngram_scaled_depth)
+            return HybridProposer(EagleProposer(spec.split(":", 1)[1], self), self.config.num_speculative_tokens,
+                                  max(2, self.config.ngram_min), self.config.ngram_max, self.config.ngram_scaled_depth)
         raise ValueError(f"unknown speculative method {spec!r}: use 'ngram', 'draft:<model path>', 'eagle:<folder>' "
                          "or 'ngram+eagle:<folder>'")
 
@@ -448,6 +448,9 @@ class LLMEngine:
         if not cands:
             return
         others = len(self.scheduler.running) - len(cands)
+        plan = getattr(self.proposer, "plan", None)  # a proposer with a choice of drafter per request
+        if plan is not None:
+            plan(cands)
         k = self.depth.choose([r.spec_acceptance for r in cands], others)
         if k == 0:
             for r in cands:  # drift slowly back toward the prior so speculation can come back
