@@ -249,3 +249,48 @@ def test_unrolled_training_computes_what_drafting_computes_step_by_step():
             for s in (2, 3):  # each further draft from the previous prediction and the next token
                 got = proposer._run([(st, ids[t + s : t + s + 1], got, t + s - 1)])
                 torch.testing.assert_close(got[0], preds[s - 1][t], rtol=1e-4, atol=1e-5)
+
+
+def test_hybrid_keeps_one_acceptance_estimate_per_side():
+    """plan() picks the drafting side per request and step and swaps that side's estimate into the
+    request (the engine's running estimate), so each side's verified drafts move only its own."""
+    from types import SimpleNamespace
+
+    from hasten.engine.spec.hybrid import HybridProposer
+
+    class StubHead:
+        name = "eagle:stub"
+
+        def __init__(self):
+            self.asked: list[tuple[str, int]] = []
+
+        def propose_batch(self, reqs, ks):
+            for r, k in zip(reqs, ks, strict=True):
+                self.asked.append((r.request_id, k))
+                r.spec_token_ids = [7] * k
+
+        def release(self, request_id):
+            pass
+
+    head = StubHead()
+    hybrid = HybridProposer(head, max_depth=4)
+    repeat = [1, 2, 3, 4, 5, 6, 1, 2]  # ends in "1 2", seen before: the lookup drafts 3 4 5 6
+    fresh = [9, 8, 7, 6, 5, 4, 3, 11]  # nothing repeats
+    req = SimpleNamespace(request_id="a", spec_acceptance=0.7, spec_token_ids=[], spec_probs=None, tokens=repeat)
+    req.all_token_ids = lambda: req.tokens
+    hybrid.plan([req])
+    hybrid.propose_batch([req], [3])
+    assert req.spec_token_ids == [3, 4, 5] and head.asked == []
+    req.spec_acceptance = 0.95  # the engine after verifying lookup drafts
+    req.tokens = fresh
+    hybrid.plan([req])
+    assert req.spec_acceptance == 0.7  # the head's own estimate
+    hybrid.propose_batch([req], [2])
+    assert req.spec_token_ids == [7, 7] and head.asked == [("a", 2)]
+    req.spec_acceptance = 0.2  # the head's drafts were rejected
+    req.tokens = repeat
+    hybrid.plan([req])
+    assert req.spec_acceptance == 0.95
+    assert hybrid.lookup_drafts == 1 and hybrid.head_drafts == 1
+    hybrid.release("a")
+    assert not hybrid._estimates and not hybrid._side and not hybrid._lookup
