@@ -7,7 +7,8 @@
    (quant_q8_gemm_wide_rows=0) against the 16-row tiles (8), and oneDNN's bfloat16 F.linear;
 2. the same over 30 layers of distinct weights (from memory) at 4, 16 and 64 rows; and the 8-bit GEMM
    of quant_u8_gemm (u8_linear_q8_gemm over u8_pack_rows16's copy) over 30 such layers at 16, 64, 256
-   and 512 rows (a prefill step's 512 tokens: what bounds a burst's last TTFT);
+   and 512 rows (a prefill step's 512 tokens: what bounds a burst's last TTFT); and the int4 GEMM at
+   1-8 rows (a speculative verification step's 1 + k rows);
 3. paged decode attention, 16 sequences x 300 tokens, 30 layers of float16 KV from memory;
 4. (unless --skip-engine) the GGUF engine: one 256-token prefill (best of 4) and a 16-sequence decode
    step at 300 tokens (mean of 20), quant_q8_gemm_wide_rows=0 fast_silu=False against the defaults,
@@ -139,6 +140,11 @@ def main() -> None:
     for rows in (4, 16, 64):
         narrow, wide = gemm_rates(cold, rows, 0, gen), gemm_rates(cold, rows, 8, gen)
         print(f"   {rows:4d} | {narrow:6.0f} | {wide:6.0f} ({wide / narrow:.2f}x)")
+    # speculative verification and small decode batches: 1 + k rows (below quant_q8_gemm_wide_rows the
+    # 8-row-block tiles serve them, up to 8 rows of x per tile where the CPU has 32 vector registers)
+    macs = sum(n * k for n, k, *_ in cold)
+    print("   verification-sized calls, 30 layers from memory (ms): "
+          + "  ".join(f"{rows} rows {rows * macs / gemm_rates(cold, rows, 8, gen) / 1e6:.2f}" for rows in range(1, 9)))
     del cold
     from hasten.kernels.quant_linear import u8_gemm_has_tiles
 
