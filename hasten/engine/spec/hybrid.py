@@ -19,7 +19,7 @@ import numpy as np
 
 from hasten.engine.request import Request
 from hasten.engine.spec.eagle import EagleProposer
-from hasten.engine.spec.ngram import SHORT_MATCH_DEPTHS, ngram_match
+from hasten.engine.spec.ngram import SHORT_MATCH_DEPTHS, ngram_propose
 
 LOOKUP, HEAD = "lookup", "head"
 
@@ -60,12 +60,16 @@ class HybridProposer:
             est = self._estimates.setdefault(rid, {LOOKUP: r.spec_acceptance, HEAD: r.spec_acceptance})
             if rid in self._side:
                 est[self._side[rid]] = r.spec_acceptance
-            draft, _ = ngram_match(np.asarray(r.all_token_ids(), dtype=np.int64), self.max_depth, self.min_match,
-                                   self.max_n, self.short_match_depths)
+            draft = self._lookup_draft(r)
             side = LOOKUP if draft else HEAD
             self._side[rid] = side
             self._lookup[rid] = draft
             r.spec_acceptance = est[side]
+
+    def _lookup_draft(self, r: Request) -> list[int]:
+        """The lookup's drafts (max_depth at most) after a match of min_match tokens or more, else []."""
+        return ngram_propose(np.asarray(r.all_token_ids(), dtype=np.int64), self.max_depth, self.min_match,
+                             self.max_n, self.short_match_depths)
 
     def propose_batch(self, reqs: list[Request], ks: list[int]) -> None:
         rest, rest_ks = [], []
@@ -73,11 +77,8 @@ class HybridProposer:
             r.spec_token_ids, r.spec_probs = [], None
             if k <= 0:
                 continue
-            if r.request_id not in self._lookup:  # not planned (a caller that skips plan): plan it now
-                saved = r.spec_acceptance
-                self.plan([r])
-                r.spec_acceptance = saved
-            draft = self._lookup.pop(r.request_id)
+            planned = self._lookup.pop(r.request_id, None)
+            draft = planned if planned is not None else self._lookup_draft(r)  # a caller that skipped plan()
             if draft:
                 r.spec_token_ids = draft[:k]
                 self.lookup_drafts += 1

@@ -16,14 +16,13 @@ from hasten.engine.request import Request
 SHORT_MATCH_DEPTHS = (1, 4)
 
 
-def ngram_match(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4,
-                short_match_depths: tuple[int, ...] = ()) -> tuple[list[int], int]:
-    """(up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram,
-    that n-gram's length; ([], 0) without a match of min_n tokens or more). After a match of
-    n <= len(short_match_depths) tokens, at most short_match_depths[n - 1] tokens."""
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4,
+                  short_match_depths: tuple[int, ...] = ()) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram;
+    after a match of n <= len(short_match_depths) tokens, at most short_match_depths[n - 1]."""
     total = len(tokens)
     if k <= 0:
-        return [], 0
+        return []
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         suffix = tokens[total - n :]
         windows = sliding_window_view(tokens[: total - 1], n)  # windows that end before the last token
@@ -31,14 +30,8 @@ def ngram_match(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4,
         if hits.size:
             start = int(hits[-1]) + n
             depth = min(k, short_match_depths[n - 1]) if n <= len(short_match_depths) else k
-            return tokens[start : start + depth].tolist(), n
-    return [], 0
-
-
-def ngram_propose(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 4,
-                  short_match_depths: tuple[int, ...] = ()) -> list[int]:
-    """ngram_match's draft tokens."""
-    return ngram_match(tokens, k, min_n, max_n, short_match_depths)[0]
+            return tokens[start : start + depth].tolist()
+    return []
 
 
 class NgramProposer:
