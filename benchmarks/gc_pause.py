@@ -78,22 +78,19 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
-    from hasten import SamplingParams
     from hasten.config import EngineConfig
     from hasten.engine.engine import LLMEngine
+    from hasten.runtime.heap import freeze_heap
 
     engine = LLMEngine(EngineConfig(model=str(find_gguf()), quantization="gguf", kv_cache_dtype="int8"))
-    engine.add_request("__warmup__", [0] * 4, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.kv.reset_prefix_cache()
+    engine.warm_up()
     rng = random.Random(0)
     for rnd in range(args.rounds):
         for frozen in (False, True):
-            gc.unfreeze()
-            if frozen:
-                gc.collect()
-                gc.freeze()
+            if frozen:  # what the engine process does after its warm-up
+                freeze_heap()
+            else:
+                gc.unfreeze()
             objects = len(gc.get_objects())
             pause = full_collection_ms()
             log = PauseLog()

@@ -93,12 +93,7 @@ class AsyncLLM:
 
     def _warmup(self) -> None:
         t0 = time.time()
-        rid = "__warmup__"
-        self.engine.add_request(rid, [self.engine.eos_token_ids[0] if self.engine.eos_token_ids else 0] * 4,
-                                SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        self.engine.kv.reset_prefix_cache()
+        self.engine.warm_up()
         logger.info("warm-up step done in %.3fs", time.time() - t0)
 
     async def shutdown(self) -> None:

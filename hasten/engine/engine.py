@@ -295,6 +295,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def warm_up(self) -> None:
+        """A 4-token request of 2 greedy tokens stepped to its end (first-call work before serving)."""
+        self.add_request("__warmup__", [self.eos_token_ids[0] if self.eos_token_ids else 0] * 4,
+                         SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks (if any) and leave their group; also done at exit."""
         if self.parallel is not None:

@@ -83,12 +83,7 @@ def _child_main(conn: Connection) -> None:
         model, options, send_tokenizer = conn.recv()
         t0 = time.time()
         engine = LLMEngine(EngineConfig.from_options(model=model, **options))
-        rid = "__warmup__"
-        engine.add_request(rid, [engine.eos_token_ids[0] if engine.eos_token_ids else 0] * 4,
-                           SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.kv.reset_prefix_cache()
+        engine.warm_up()
         set_process_tokenizer(engine.tokenizer)
         # this process lives for the engine: its start-up heap stays out of the collector's scans, so no
         # full collection walks it between two steps (EngineConfig.gc_freeze)
