@@ -6,7 +6,7 @@
   - batch-1 decode tokens/s of the student vs the original, both served by hasten with the same settings
     (float32 weights; and int8, the quantized setting that stays exact per layer), interleaved.
 
-usage: python benchmarks/distill.py [--layers 8] [--steps 400] [--max-minutes 20] [--out DIR] [--reuse]
+usage: python benchmarks/distill.py [--layers 8] [--steps 400] [--max-minutes 20] [--precision auto] [--out DIR] [--reuse]
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--max-minutes", type=float, default=20.0)
-    ap.add_argument("--calib-tokens", type=int, default=262144)
+    ap.add_argument("--calib-tokens", type=int, default=524288)
+    ap.add_argument("--precision", default="auto", help="hasten distill prune --precision (auto | float32 | bfloat16)")
     ap.add_argument("--out", default="/tmp/hasten-distill-prune")
     ap.add_argument("--reuse", action="store_true", help="measure an existing --out (no training)")
     ap.add_argument("--resume", action="store_true", help="continue --out's checkpoint instead of restarting")
@@ -69,7 +70,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "hasten.cli", "distill", "prune", original, "--layers", str(args.layers),
                "--out", str(out), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr",
                str(args.lr), "--max-minutes", str(args.max_minutes), "--calib-tokens", str(args.calib_tokens),
-               "--eval-every", "50"] + ([] if args.resume else ["--restart"])
+               "--eval-every", "50", "--precision", args.precision] + ([] if args.resume else ["--restart"])
         t = time.time()
         rc = subprocess.run(cmd).returncode
         print(f"distill exit status {rc} after {time.time() - t:.0f} s")
@@ -89,8 +90,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     ppl = report["heldout_perplexity"]
     print(f"\nlayers removed: {report['layers_removed']} of {report['layers_before']}")
-    print(f"healing: {report['steps']} steps, {report['train_tokens']} tokens, {report['train_seconds']:.0f} s, "
-          f"peak RSS {peak_mb:.0f} MB")
+    print(f"healing: {report['steps']} steps, {report['train_tokens']} tokens, {report['train_seconds']:.0f} s "
+          f"({report.get('precision', 'float32')} forward passes), peak RSS {peak_mb:.0f} MB")
     print(f"held-out perplexity (transformers, distill.json): original {ppl['original']:.3f}, "
           f"pruned {ppl['pruned']:.3f} ({100 * (ppl['pruned'] / ppl['original'] - 1):+.1f} %), "
           f"healed {ppl['healed']:.3f} ({100 * (ppl['healed'] / ppl['original'] - 1):+.1f} %)")

@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="forward passes while healing: bfloat16 autocast (float32 weights and optimizer) or float32; "
+                        "auto: bfloat16 where the CPU has its dot product (AVX512-BF16 / AMX)")
+    p.add_argument("--train-embeddings", action="store_true",
+                   help="train the token embedding and lm_head too (default: fixed; they are tied in many models)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop healing after this long (resumable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -100,7 +105,8 @@ def prune_main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = DistillConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
-                               checkpoint_every=args.eval_every, seed=args.seed, max_minutes=args.max_minutes)
+                               checkpoint_every=args.eval_every, seed=args.seed, max_minutes=args.max_minutes,
+                               precision=args.precision, train_embeddings=args.train_embeddings)
     except ValueError as exc:
         raise fail(str(exc)) from None
     t0 = time.time()
@@ -145,6 +151,8 @@ def prune_main(args: argparse.Namespace) -> int:
         "train_tokens": state.step * config.batch_size * args.seq_len,
         "heldout_perplexity": {"original": teacher_ppl, "pruned": pruned_ppl, "healed": healed_ppl},
         "heldout_kl": [h for h in state.history if "heldout_kl" in h], "seed": args.seed,
+        "precision": "bfloat16" if distiller.dtype is not None else "float32",
+        "train_embeddings": config.train_embeddings,
         "seconds": round(time.time() - t0, 1),
     }
     out.mkdir(parents=True, exist_ok=True)

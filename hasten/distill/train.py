@@ -27,6 +27,9 @@ from hasten.distill.common import CHECKPOINT
 logger = logging.getLogger(__name__)
 
 
+PRECISIONS = ("float32", "bfloat16", "auto")
+
+
 @dataclass(frozen=True)
 class DistillConfig:
     steps: int = 200
@@ -40,12 +43,26 @@ class DistillConfig:
     checkpoint_every: int = 50
     seed: int = 0
     max_minutes: float | None = None  # stop (with a checkpoint) once this run has trained this long
+    # the student's and teacher's forward passes: float32 | bfloat16 (CPU autocast: bfloat16 GEMMs, float32
+    # weights, optimizer state and softmax) | auto (bfloat16 where the CPU has its dot product, else float32)
+    precision: str = "float32"
+    train_embeddings: bool = True  # False: the token embedding and lm_head (often one tied matrix) stay fixed
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
             raise ValueError("steps >= 0, batch_size, eval_every and checkpoint_every >= 1")
         if not (self.lr > 0 and self.temperature > 0):
             raise ValueError("lr and temperature must be positive")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """bfloat16 when the forward passes run under CPU autocast, None for plain float32."""
+        if self.precision == "auto":
+            from hasten.kernels.cpu_features import cpu_has_bf16_dot
+
+            return torch.bfloat16 if cpu_has_bf16_dot() else None
+        return torch.bfloat16 if self.precision == "bfloat16" else None
 
 
 @dataclass
@@ -55,23 +72,60 @@ class DistillState:
     history: list[dict[str, float]] = field(default_factory=list)  # {step, loss} and {step, heldout_kl}
 
 
-def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over tokens of KL(softmax(teacher / T) || softmax(student / T)), times T^2 (Hinton's scale)."""
-    t = temperature
-    s = F.log_softmax(student_logits.float() / t, dim=-1).flatten(0, -2)
-    p = F.log_softmax(teacher_logits.float() / t, dim=-1).flatten(0, -2)
-    return F.kl_div(s, p, log_target=True, reduction="batchmean") * t * t
+class _TeacherKL(torch.autograd.Function):
+    """Sum over rows of KL(softmax(t / T) || softmax(s / T)) with its gradient, (softmax(s / T) - p) / T,
+    computed in the same pass over `chunk` rows at a time: no log-softmax graph over the whole
+    [tokens, vocabulary] logits is kept for the backward pass, only the gradient itself."""
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+        s, t = student.detach().flatten(0, -2), teacher.detach().flatten(0, -2)
+        grad = torch.empty_like(s) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float64)
+        for i in range(0, s.shape[0], chunk):
+            log_q = F.log_softmax(s[i : i + chunk].float() / temperature, dim=-1)
+            log_p = F.log_softmax(t[i : i + chunk].float() / temperature, dim=-1)
+            p = log_p.exp()
+            total += (p * (log_p - log_q)).sum(dtype=torch.float64)
+            if grad is not None:
+                grad[i : i + chunk] = (log_q.exp_() - p) / temperature
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.shape = student.shape
+        return total.float()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_output.to(grad.dtype)).view(ctx.shape), None, None, None
+
+
+def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+                 chunk: int = 128) -> torch.Tensor:
+    """Mean over tokens of KL(softmax(teacher / T) || softmax(student / T)), times T^2 (Hinton's scale).
+    Differentiable in the student's logits (float32 softmax whatever their dtype)."""
+    rows = student_logits.numel() // student_logits.shape[-1]
+    total = _TeacherKL.apply(student_logits, teacher_logits, float(temperature), chunk)
+    return total * (temperature * temperature / max(rows, 1))
+
+
+def autocast(dtype: torch.dtype | None):
+    """CPU autocast to `dtype` (None: off)."""
+    return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 @torch.no_grad()
-def heldout_kl(student: Any, teacher: Any, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> float:
-    """Mean per-token KL of the student from the teacher over `sequences`."""
+def heldout_kl(student: Any, teacher: Any, sequences: Sequence[Sequence[int]], temperature: float = 1.0,
+               dtype: torch.dtype | None = None) -> float:
+    """Mean per-token KL of the student from the teacher over `sequences` (forward passes under
+    autocast to `dtype` when given)."""
     was_training = student.training
     student.eval()
     total, tokens = 0.0, 0
     for ids in sequences:
         x = torch.tensor([list(ids)])
-        kl = kl_per_token(student(x, use_cache=False).logits, teacher(x, use_cache=False).logits, temperature)
+        with autocast(dtype):
+            s, t = student(x, use_cache=False).logits, teacher(x, use_cache=False).logits
+        kl = kl_per_token(s, t, temperature)
         total += float(kl) * len(ids)
         tokens += len(ids)
     student.train(was_training)
@@ -201,10 +255,15 @@ class Distiller(TrainLoop):
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+        if not config.train_embeddings:
+            for emb in (student.get_input_embeddings(), student.get_output_embeddings()):
+                if emb is not None:
+                    emb.weight.requires_grad_(False)
+        self.dtype = config.autocast_dtype()
         super().__init__(student, [list(s) for s in train], config, checkpoint_dir, signature)
 
     def evaluate(self) -> float:
-        return heldout_kl(self.student, self.teacher, self.heldout, self.config.temperature)
+        return heldout_kl(self.student, self.teacher, self.heldout, self.config.temperature, self.dtype)
 
     def _step(self, batch: list[list[int]]) -> float:
         """One optimizer step over `batch` (sequences of any lengths, one forward each)."""
@@ -214,12 +273,14 @@ class Distiller(TrainLoop):
         loss_sum = 0.0
         for ids in batch:
             x = torch.tensor([ids])
-            with torch.no_grad():
-                target = self.teacher(x, use_cache=False).logits
-            loss = kl_per_token(self.student(x, use_cache=False).logits, target, c.temperature)
+            with autocast(self.dtype):
+                with torch.no_grad():
+                    target = self.teacher(x, use_cache=False).logits
+                logits = self.student(x, use_cache=False).logits
+            loss = kl_per_token(logits, target, c.temperature)
             (loss * (len(ids) / total_tokens)).backward()
             loss_sum += loss.item() * len(ids)
-        torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad], c.max_grad_norm)
         self.optimizer.step()
         self.schedule.step()
         return loss_sum / total_tokens

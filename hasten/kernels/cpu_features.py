@@ -19,6 +19,16 @@ def cpu_has_amx() -> bool:
         return False
 
 
+@functools.cache
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has the AVX-512 bfloat16 dot product (or AMX): there oneDNN's bfloat16 GEMMs
+    run about twice as fast as float32 ones (2.2x at 512 x 576 x 1536 on 2 Zen 4 cores)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported()) or cpu_has_amx()
+    except (AttributeError, RuntimeError):
+        return False
+
+
 BF16_MODES = ("auto", "on", "off")
 
 
