@@ -7,6 +7,7 @@
     (float32 weights; and int8, the quantized setting that stays exact per layer), interleaved.
 
 usage: python benchmarks/distill.py [--layers 8] [--steps 400] [--max-minutes 20] [--precision auto] [--out DIR] [--reuse]
+       python benchmarks/distill.py --step-cost [--rounds 6]   (seconds per healing step, float32 vs the defaults)
 """
 
 from __future__ import annotations
@@ -36,6 +37,42 @@ def decode_rate(model: str, tokens: int, **options) -> float:
     return (tokens - 1) / (time.perf_counter() - t - first)
 
 
+def step_costs(layers: int, rounds: int, seq_len: int = 256, batch_size: int = 2) -> None:
+    """Seconds per healing step (2 x 256 ShareGPT tokens) of the default model with `layers` removed:
+    float32 forward passes with the embedding trained against the default settings (bfloat16 autocast
+    where the CPU has it, the embedding fixed), the same batches in turn, median of `rounds`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hasten.distill.prune import remove_layers
+    from hasten.distill.train import DistillConfig, Distiller
+    from hasten.model.loader import resolve_model
+    from hasten.quant.data import calibration_chunks
+
+    folder = str(resolve_model(None))
+    tok = AutoTokenizer.from_pretrained(folder)
+    teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    data = calibration_chunks(tok, seq_len, seq_len * batch_size * (rounds + 1))
+    drop = list(range(12, 12 + layers))
+    variants = {"float32, embedding trained": dict(precision="float32", train_embeddings=True),
+                "defaults (--precision auto)": dict(precision="auto", train_embeddings=False)}
+    loops = {name: Distiller(remove_layers(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), drop),
+                             teacher, data, data[:1], DistillConfig(steps=rounds + 1, batch_size=batch_size, **kw))
+             for name, kw in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for r in range(rounds + 1):  # round 0 warms up
+        batch = data[r * batch_size : (r + 1) * batch_size]
+        for name, loop in loops.items():
+            t = time.perf_counter()
+            loop._step(batch)
+            if r:
+                times[name].append(time.perf_counter() - t)
+    base = statistics.median(times[next(iter(times))])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:<30} {med:.2f} s per step (rounds {', '.join(f'{t:.2f}' for t in ts)})  {base / med:.2f}x")
+
+
 def quality(student: str, original: str, seq_len: int, max_tokens: int) -> dict:
     from hasten import LLM
     from hasten.quant.data import evaluation_chunks
@@ -61,7 +98,13 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="continue --out's checkpoint instead of restarting")
     ap.add_argument("--tokens", type=int, default=96, help="decode tokens per timing")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--step-cost", action="store_true",
+                    help="only time healing steps: float32 with the embedding trained vs the defaults")
     args = ap.parse_args()
+    if args.step_cost:
+        print(f"healing step of 2 x 256 tokens, {args.layers} layers removed:")
+        step_costs(args.layers, max(args.rounds, 3))
+        return
     from hasten.model.loader import resolve_model
 
     original = str(resolve_model(None))
