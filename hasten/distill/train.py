@@ -280,7 +280,7 @@ class Distiller(TrainLoop):
             loss = kl_per_token(logits, target, c.temperature)
             (loss * (len(ids) / total_tokens)).backward()
             loss_sum += loss.item() * len(ids)
-        torch.nn.utils.clip_grad_norm_([p for p in self.student.parameters() if p.requires_grad], c.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm)  # fixed ones have no grad
         self.optimizer.step()
         self.schedule.step()
         return loss_sum / total_tokens

@@ -172,7 +172,8 @@ def test_cli_prunes_heals_writes_and_refuses_bad_input(tiny, tmp_path, capsys):
         cli.main(["prune", *args])
     assert e.value.code == 2 and "already holds" in capsys.readouterr().err
     for bad, message in ((["--layers", "4"], "between 1 and 3"), (["--out", tiny], "own folder"),
-                         (["--mlp-keep", "1.5"], "share of the MLP channels")):
+                         (["--mlp-keep", "1.5"], "share of the MLP channels"),
+                         (["--precision", "float8"], "invalid choice")):
         with pytest.raises(SystemExit):
             cli.main(["prune", *args, "--out", str(tmp_path / "other"), *bad])
         assert message in capsys.readouterr().err
