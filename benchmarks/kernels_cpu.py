@@ -6,7 +6,8 @@
    blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA, and the
    kernel over a float16 copy of the cache (kv_cache_dtype=float16);
 2. one 512-token causal prefill: kernel vs SDPA; a 256-token prefill over 30 layers of an int8
-   cache (kv_cache_dtype=int8): the float path vs attention_int8_scores (q rounded to int8, VNNI);
+   cache (kv_cache_dtype=int8), and a second 256-token chunk after it: the float path vs
+   attention_int8_scores (q rounded to int8, VNNI) vs that with attention_bf16_pv (AVX512-BF16);
 3. SiLU-multiply of a 512-token step over 30 layers (512 x 2 x 1536): the C++ op with its vectorized
    exp (fast=True, what int8-activation layers get) vs the exact op vs F.silu(gate) * up;
 4. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
@@ -84,24 +85,32 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, (amax / 127.0).contiguous().view(torch.int8)], -1).contiguous()
 
 
-def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> tuple[float, float] | None:
-    """ms for one n-token prefill's attention over `layers` layers of an int8 cache: float path, int8
-    scores; None where this build has no int8-score path (no AVX-512 VNNI)."""
+def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict[str, float] | None:
+    """ms for one n-token prefill's attention over `layers` layers of an int8 cache, then of a second
+    n-token chunk after it (2n keys): float path, int8 scores, int8 scores with bfloat16 P V (where the
+    build has it); None where this build has no int8-score path (no AVX-512 VNNI)."""
     from hasten.kernels import cpu_attention
 
     if not cpu_attention.int8_scores_available():
         return None
     bs, kvh, heads, d = 16, 3, 9, 64
-    tables = torch.arange(n // bs, dtype=torch.int32).view(1, -1)
-    meta = (tables, torch.tensor([0, n]), torch.tensor([n]))
-    calls = [(torch.randn(n, heads, d), int8_rows(torch.randn(n // bs, bs, kvh, d)),
-              int8_rows(torch.randn(n // bs, bs, kvh, d))) for _ in range(layers)]
+    modes = {"float": {}, "int8 scores": {"int8_rows": 16}}
+    if cpu_attention.bf16_pv_available():
+        modes["int8 scores + bf16 P V"] = {"int8_rows": 16, "int8_bf16_pv": True}
+    out: dict[str, float] = {}
+    for ctx in (n, 2 * n):
+        tables = torch.arange(ctx // bs, dtype=torch.int32).view(1, -1)
+        meta = (tables, torch.tensor([0, n]), torch.tensor([ctx]))
+        calls = [(torch.randn(n, heads, d), int8_rows(torch.randn(ctx // bs, bs, kvh, d)),
+                  int8_rows(torch.randn(ctx // bs, bs, kvh, d))) for _ in range(layers)]
 
-    def run(rows: int) -> None:
-        for q, k, v in calls:
-            cpu_attention.paged_attention(q, k, v, *meta, 0.125, int8_rows=rows)
+        def run(kw: dict, calls: list = calls, meta: tuple = meta) -> None:
+            for q, k, v in calls:
+                cpu_attention.paged_attention(q, k, v, *meta, 0.125, **kw)
 
-    return best_ms(lambda: run(0), repeats, 2), best_ms(lambda: run(16), repeats, 2)
+        for name, kw in modes.items():
+            out[f"{name}, {ctx} keys"] = best_ms(lambda kw=kw: run(kw), repeats, 2)
+    return out
 
 
 def silu_mul_step(repeats: int, rows: int = 512, inter: int = 1536, layers: int = 30) -> dict[str, float]:
@@ -180,8 +189,9 @@ def main() -> None:
     if int8 is None:
         print("attention, int8 cache, 256-token prefill: no int8-score path in this build (AVX-512 VNNI)")
     else:
-        print(f"attention, int8 cache, 256-token prefill, 30 layers: float path {int8[0]:7.2f} ms  int8 scores "
-              f"{int8[1]:7.2f} ms  ratio {int8[0] / int8[1]:5.2f}x")
+        base = {256: int8["float, 256 keys"], 512: int8["float, 512 keys"]}
+        print("attention, int8 cache, 256 new tokens over 256 / 512 keys, 30 layers: " + "  ".join(
+            f"{k} {v:6.2f} ms ({base[int(k.split(', ')[-1].split()[0])] / v:4.2f}x)" for k, v in int8.items()))
     t = silu_mul_step(args.repeats)
     print(f"SiLU-multiply, 512 x 1536, 30 layers   : fast {t['fast']:6.2f} ms  exact {t['exact']:6.2f} ms  "
           f"PyTorch {t['torch']:6.2f} ms  ratio PyTorch/fast {t['torch'] / t['fast']:4.2f}x")

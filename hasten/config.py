@@ -87,11 +87,15 @@ class EngineConfig:
     # keys/values: auto = on for quantized models where the CPU has AMX tiles (float32 models stay exact) | on | off
     attention_bf16: str = "auto"
     attention_bf16_min_rows: int = 32
-    # cpp, int8 KV cache: a sequence with this many new tokens has q and its softmax weights rounded to 8 bits
-    # and multiplied with the cache's codes on AVX-512 VNNI: auto = on for an int8 cache where the kernels
-    # have the VNNI path | on (an error where they do not) | off
+    # cpp, int8 KV cache: a sequence with this many new tokens has q rounded to int8 and its scores taken as
+    # integer dot products with the cache's key codes on AVX-512 VNNI: auto = on for an int8 cache where the
+    # kernels have the VNNI path | on (an error where they do not) | off
     attention_int8_scores: str = "auto"
     attention_int8_scores_min_rows: int = 16
+    # with attention_int8_scores: those sequences' softmax weights (times the value scales) rounded to bfloat16
+    # and P V taken as bfloat16 dot products with the value codes: auto = on where the kernels have the
+    # AVX512-BF16 path | on (an error where they do not) | off
+    attention_bf16_pv: str = "auto"
     cpu_linear_backend: str = "auto"  # auto (= onednn when available) | hasten (C++ register tiles) | onednn (pre-packed) | torch
     num_threads: int | None = None  # torch intra-op threads (per rank); None = torch's default (TP: cores / ranks)
     # tensor parallelism (hasten/distributed): heads, MLP rows and vocabulary split over this many ranks

@@ -21,6 +21,12 @@
 // rounded. Measured on 2 Zen 4 cores, 30 layers of a 256-token prefill (9 heads, 3 kv heads, D 64):
 // ~27 -> ~16 ms. Rounding P to 8 bits too (P V as VNNI multiply-adds) took ~10 % more off the kernel
 // but cost the default GGUF ~1 point of top-1 agreement; not kept.
+// bf16_pv (the switch attention_bf16_pv; CPUs with AVX512-BF16): the unit holds the value codes as
+// bfloat16 (exact: |code| <= 127) with two keys interleaved per dword, and each softmax weight is
+// multiplied by its key's value scale and rounded to bfloat16 (8 significant bits: relative error
+// <= 2^-8 per weight, against the 2^-7 or more of an 8-bit value code; the running sum l stays
+// float32). P V is then one vdpbf16ps per 16 dimensions and two keys: half the instructions of the
+// float32 multiply-adds.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,6 +41,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define HASTEN_INT8_SCORES 1
+#if defined(__AVX512BF16__)
+#define HASTEN_BF16_PV 1
+#endif
 #endif
 
 namespace hasten_attention {
@@ -45,39 +54,59 @@ constexpr int64_t kUnitKeys = 16;  // keys per unit: one 512-bit register of int
 // Whether a head size takes the integer-score path (values held as D / 16 registers per row).
 inline bool int8_scores_take(int64_t D) { return D == 64 || D == 96 || D == 128; }
 
-// Bytes of one packed unit: transposed codes, 128 * code sums, scales, widened values.
-inline int64_t int8_unit_bytes(int64_t D) { return kUnitKeys * D + 2 * kUnitKeys * 4 + kUnitKeys * D * 4; }
+// Bytes of one packed unit: transposed codes, 128 * code sums, scales, then the widened values
+// (float32) or, with bf16_pv, the value scales and the value codes as interleaved bfloat16 pairs.
+inline int64_t int8_unit_bytes(int64_t D, bool bf16_pv) {
+  return kUnitKeys * D + 2 * kUnitKeys * 4 + (bf16_pv ? kUnitKeys * 4 + kUnitKeys * D * 2 : kUnitKeys * D * 4);
+}
 
 struct PackedUnit {
-  const int32_t* codes;  // [D / 4][16]: dword c of key j
-  const int32_t* sums;   // [16]: 128 * sum of key j's codes
-  const float* scales;   // [16]
-  const float* values;   // [16][D]
+  const int32_t* codes;    // [D / 4][16]: dword c of key j
+  const int32_t* sums;     // [16]: 128 * sum of key j's codes
+  const float* scales;     // [16]
+  const float* values;     // [16][D] (float32 units)
+  const float* vscales;    // [16] (bf16_pv units)
+  const uint16_t* vpairs;  // [8][D][2]: bfloat16 value codes of keys 2 i and 2 i + 1 (bf16_pv units)
 };
 
 inline PackedUnit unit_at(const uint8_t* base, int64_t D) {
   const int32_t* codes = reinterpret_cast<const int32_t*>(base);
   const int32_t* sums = codes + kUnitKeys * D / 4;
   const float* scales = reinterpret_cast<const float*>(sums + kUnitKeys);
-  return {codes, sums, scales, scales + kUnitKeys};
+  const float* tail = scales + kUnitKeys;
+  return {codes, sums, scales, tail, tail, reinterpret_cast<const uint16_t*>(tail + kUnitKeys)};
+}
+
+// the bfloat16 bits of a small integer (exact: its float32 low 16 bits are zero)
+inline uint16_t bf16_of_code(int8_t c) {
+  const float f = static_cast<float>(c);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
 }
 
 // Packs keys [16 u, 16 u + 16) of kv head h of one sequence (block table `table`, ctx tokens) from
 // the int8 cache pool (rows of D + 4 bytes, KVH heads per token, BS tokens per block) into dst.
 inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, int64_t ctx, int64_t u, int64_t h,
-                      int64_t BS, int64_t KVH, int64_t D, uint8_t* dst) {
+                      int64_t BS, int64_t KVH, int64_t D, bool bf16_pv, uint8_t* dst) {
   const int64_t P = D + kInt8ScaleBytes;
   int32_t* codes = reinterpret_cast<int32_t*>(dst);
   int32_t* sums = codes + kUnitKeys * D / 4;
   float* scales = reinterpret_cast<float*>(sums + kUnitKeys);
-  float* values = scales + kUnitKeys;
+  float* values = scales + kUnitKeys;  // float32 units; bf16_pv: the value scales, then the pairs
+  uint16_t* vpairs = reinterpret_cast<uint16_t*>(values + kUnitKeys);
   for (int64_t j = 0; j < kUnitKeys; ++j) {
     const int64_t pos = u * kUnitKeys + j;
     if (pos >= ctx) {
       for (int64_t c = 0; c < D / 4; ++c) codes[c * kUnitKeys + j] = 0;
       sums[j] = 0;
       scales[j] = 0.0f;
-      std::fill(values + j * D, values + (j + 1) * D, 0.0f);
+      if (bf16_pv) {
+        values[j] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) vpairs[((j / 2) * D + d) * 2 + j % 2] = 0;
+      } else {
+        std::fill(values + j * D, values + (j + 1) * D, 0.0f);
+      }
       continue;
     }
     const int64_t row = ((static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * KVH + h) * P;
@@ -89,7 +118,12 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
     sums[j] = 128 * sum;
     scales[j] = int8_row_scale(k, D);
     const float vs = int8_row_scale(v, D);
-    for (int64_t d = 0; d < D; ++d) values[j * D + d] = static_cast<float>(v[d]) * vs;
+    if (bf16_pv) {
+      values[j] = vs;
+      for (int64_t d = 0; d < D; ++d) vpairs[((j / 2) * D + d) * 2 + j % 2] = bf16_of_code(v[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) values[j * D + d] = static_cast<float>(v[d]) * vs;
+    }
   }
 }
 
@@ -106,6 +140,24 @@ inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_
   return int8_row_scale(row, D);
 }
 
+// exp(x) for x <= 0 as exp_nonpositive16 (the same polynomial), its steps fused multiply-adds and the
+// power of two applied by scalef: 11 instructions instead of 20. Its last bits differ from
+// exp_nonpositive16's, so only the bf16_pv path (which rounds the weights to 8 bits) takes it.
+inline __m512 exp_nonpositive16_fma(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(2.187750486e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.238782145e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.684580455e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.548042632e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402305020e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469287e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000003e+00f));
+  return _mm512_scalef_ps(p, fi);
+}
+
 constexpr int64_t kChunkUnits = 16;  // units scored before one softmax update (256 keys)
 
 // NR query rows (codes q + 128, D bytes each, scales sq, newest visible key positions last[r]) over
@@ -113,7 +165,7 @@ constexpr int64_t kChunkUnits = 16;  // units scored before one softmax update (
 // normalised output (D floats) to out[r]. DV = D / 16. The units are taken kChunkUnits at a time:
 // all their scores first (integer dot products, scaled), then one online-softmax update per row
 // for the whole chunk (one horizontal max, one rescale of the accumulators), then P V.
-template <int NR, int DV>
+template <int NR, int DV, bool BF16PV>
 inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const int64_t* last, const uint8_t* unit_base,
                              int64_t unit_stride, float* const* out) {
   constexpr int64_t D = 16 * DV;
@@ -128,6 +180,7 @@ inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const in
     l[r] = 0.0f;
   }
   alignas(64) float p[NR][kChunkUnits * kUnitKeys];
+  alignas(64) uint16_t pb[BF16PV ? NR : 1][kChunkUnits * kUnitKeys];  // bf16_pv: p times value scale
   __mmask16 seen[NR][kChunkUnits];
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 lowest = _mm512_set1_ps(-1e30f);
@@ -164,9 +217,17 @@ inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const in
       const __m512 vm = _mm512_set1_ps(mx);
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t i = 0; i < nu; ++i) {
-        const __m512 e = _mm512_maskz_mov_ps(
-            seen[r][i], exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(p[r] + i * kUnitKeys), vm)));
-        _mm512_store_ps(p[r] + i * kUnitKeys, e);
+        const __m512 x = _mm512_sub_ps(_mm512_load_ps(p[r] + i * kUnitKeys), vm);
+        const __m512 e = _mm512_maskz_mov_ps(seen[r][i], BF16PV ? exp_nonpositive16_fma(x) : exp_nonpositive16(x));
+        if constexpr (BF16PV) {
+#if defined(HASTEN_BF16_PV)
+          const __m512 vscale = _mm512_loadu_ps(unit_at(unit_base + (u0 + i) * unit_stride, D).vscales);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + i * kUnitKeys),
+                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(e, vscale))));
+#endif
+        } else {
+          _mm512_store_ps(p[r] + i * kUnitKeys, e);
+        }
         vsum = _mm512_add_ps(vsum, e);
       }
       l[r] = l[r] * corr + _mm512_reduce_add_ps(vsum);
@@ -175,6 +236,27 @@ inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const in
       for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], vc);
     }
     const int64_t keys = std::min<int64_t>(nu * kUnitKeys, newest - u0 * kUnitKeys + 1);
+    if constexpr (BF16PV) {
+#if defined(HASTEN_BF16_PV)
+      // two keys per step (a unit holds 16, so a pair never straddles units; a key past `keys` has
+      // weight 0 in every row)
+      for (int64_t j = 0; j < keys; j += 2) {
+        const uint16_t* vpair = unit_at(unit_base + (u0 + j / kUnitKeys) * unit_stride, D).vpairs + (j % kUnitKeys) * D;
+        __m512i pj[NR];
+        for (int r = 0; r < NR; ++r) {
+          int32_t two;
+          std::memcpy(&two, pb[r] + j, sizeof(two));
+          pj[r] = _mm512_set1_epi32(two);
+        }
+        for (int c = 0; c < DV; ++c) {
+          const __m512i v = _mm512_loadu_si512(vpair + 32 * c);
+          for (int r = 0; r < NR; ++r)
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(pj[r]), reinterpret_cast<__m512bh>(v));
+        }
+      }
+#endif
+      continue;
+    }
     for (int64_t j = 0; j < keys; ++j) {
       const float* vrow = unit_at(unit_base + (u0 + j / kUnitKeys) * unit_stride, D).values + (j % kUnitKeys) * D;
       __m512 pj[NR];
@@ -191,29 +273,41 @@ inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const in
   }
 }
 
-// Rows per pass for DV = D / 16 registers of accumulators per row (at most 16 accumulators).
+// Rows per pass for DV = D / 16 registers of accumulators per row: 24 accumulators for D = 64
+// (benchmarks/kernels_cpu.py, 256 new tokens after 256 keys over 30 layers on 2 Zen 4 cores, builds
+// alternating: 4 -> 6 rows 37.4-37.5 -> 36.3 ms, with bf16_pv 27.0-27.5 -> 24.6-24.7 ms).
 template <int DV>
 constexpr int rows_per_pass() {
-  return DV <= 4 ? 4 : 2;
+  return DV <= 4 ? 6 : 2;
 }
 
 // `rows` query rows through attend_rows_int8, rows_per_pass<DV>() at a time.
-template <int DV>
+template <int DV, bool BF16PV>
 inline void attend_int8_dv(const uint8_t* const* qc, const float* sq, const int64_t* last, int64_t rows,
                            const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
   constexpr int NR = rows_per_pass<DV>();
   int64_t r = 0;
-  for (; r + NR <= rows; r += NR) attend_rows_int8<NR, DV>(qc + r, sq + r, last + r, unit_base, unit_stride, out + r);
-  for (; r < rows; ++r) attend_rows_int8<1, DV>(qc + r, sq + r, last + r, unit_base, unit_stride, out + r);
+  for (; r + NR <= rows; r += NR)
+    attend_rows_int8<NR, DV, BF16PV>(qc + r, sq + r, last + r, unit_base, unit_stride, out + r);
+  for (; r < rows; ++r) attend_rows_int8<1, DV, BF16PV>(qc + r, sq + r, last + r, unit_base, unit_stride, out + r);
+}
+
+template <bool BF16PV>
+inline void attend_int8_rows_as(const uint8_t* const* qc, const float* sq, const int64_t* last, int64_t rows,
+                                int64_t D, const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
+  switch (D) {
+    case 64: attend_int8_dv<4, BF16PV>(qc, sq, last, rows, unit_base, unit_stride, out); break;
+    case 96: attend_int8_dv<6, BF16PV>(qc, sq, last, rows, unit_base, unit_stride, out); break;
+    default: attend_int8_dv<8, BF16PV>(qc, sq, last, rows, unit_base, unit_stride, out); break;
+  }
 }
 
 inline void attend_int8_rows(const uint8_t* const* qc, const float* sq, const int64_t* last, int64_t rows, int64_t D,
-                             const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
-  switch (D) {
-    case 64: attend_int8_dv<4>(qc, sq, last, rows, unit_base, unit_stride, out); break;
-    case 96: attend_int8_dv<6>(qc, sq, last, rows, unit_base, unit_stride, out); break;
-    default: attend_int8_dv<8>(qc, sq, last, rows, unit_base, unit_stride, out); break;
-  }
+                             bool bf16_pv, const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
+#if defined(HASTEN_BF16_PV)
+  if (bf16_pv) return attend_int8_rows_as<true>(qc, sq, last, rows, D, unit_base, unit_stride, out);
+#endif
+  attend_int8_rows_as<false>(qc, sq, last, rows, D, unit_base, unit_stride, out);
 }
 
 // Query tokens [q_begin, q_end) of sequence `seq` (n new tokens, context ctx; q [T, H, D], rows of
@@ -222,8 +316,8 @@ inline void attend_int8_rows(const uint8_t* const* qc, const float* sq, const in
 template <typename scalar_t>
 void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int64_t q_begin, int64_t q_end,
                       int64_t head_begin, int64_t head_end, int64_t H, int64_t G, int64_t D, float scale,
-                      const uint8_t* units, int64_t count, scalar_t* out) {
-  const int64_t rows = (q_end - q_begin) * G, ub = int8_unit_bytes(D);
+                      bool bf16_pv, const uint8_t* units, int64_t count, scalar_t* out) {
+  const int64_t rows = (q_end - q_begin) * G, ub = int8_unit_bytes(D, bf16_pv);
   // per-thread buffers, reused from item to item (no allocation or zero fill per item)
   thread_local std::vector<uint8_t> codes;
   thread_local std::vector<float> sq, res;
@@ -250,7 +344,7 @@ void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int
         dst[r] = res.data() + r * D;
       }
     }
-    attend_int8_rows(qc.data(), sq.data(), last.data(), rows, D, units + h * count * ub, ub, dst.data());
+    attend_int8_rows(qc.data(), sq.data(), last.data(), rows, D, bf16_pv, units + h * count * ub, ub, dst.data());
     for (int64_t t = 0; t < q_end - q_begin; ++t) {
       scalar_t* o = out + ((q0 + q_begin + t) * H + h * G) * D;
       const float* r = res.data() + t * G * D;

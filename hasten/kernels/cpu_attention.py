@@ -34,6 +34,7 @@ def paged_attention(
     softcap: float = 0.0,
     wide_rows: int = 0,
     int8_rows: int = 0,
+    int8_bf16_pv: bool = False,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -47,12 +48,20 @@ def paged_attention(
     int8_rows > 0 (an int8 cache, head_dim 64 / 96 / 128, a build with AVX-512 VNNI; no soft cap, a
     window reaching key 0): a sequence with that many new tokens has each query row rounded to int8
     (one absmax scale) and its scores taken as integer dot products with the key codes
-    (attention_int8_scores.h); elsewhere it is ignored."""
+    (attention_int8_scores.h); elsewhere it is ignored. int8_bf16_pv: those sequences' softmax weights,
+    times the value scales, are rounded to bfloat16 and P V taken as bfloat16 dot products with the
+    value codes (AVX512-BF16 builds; elsewhere ignored)."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                               window, softcap, wide_rows, int8_rows)
+                               window, softcap, wide_rows, int8_rows, int8_bf16_pv)
+
+
+def bf16_pv_available() -> bool:
+    """Whether this build has the AVX512-BF16 P V of paged_attention's int8_bf16_pv."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.attention_bf16_pv_has_tiles())
 
 
 def int8_scores_available() -> bool:

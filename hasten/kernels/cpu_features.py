@@ -65,6 +65,24 @@ def resolve_u8_rows(mode: str, min_rows: int, auto_applies: bool = True) -> int:
     return min_rows
 
 
+def resolve_bf16_pv(mode: str, int8_rows: int) -> bool:
+    """attention_bf16_pv (auto | on | off) -> paged_attention's int8_bf16_pv. It applies to the
+    sequences attention_int8_scores takes (int8_rows > 0); auto is on where the kernels have the
+    AVX512-BF16 path, on asks for it (an error where they lack it)."""
+    if mode not in BF16_MODES:
+        raise ValueError(f"attention_bf16_pv must be one of {BF16_MODES}, not {mode!r}")
+    if mode == "off":
+        return False
+    from hasten.kernels.cpu_attention import bf16_pv_available
+
+    if bf16_pv_available():
+        return int8_rows > 0
+    if mode == "on":
+        raise ValueError("attention_bf16_pv=on needs the C++ kernels built with AVX512-BF16 (this CPU or build "
+                         "lacks it); use attention_bf16_pv=auto or off")
+    return False
+
+
 def resolve_int8_attention_rows(mode: str, min_rows: int, int8_cache: bool) -> int:
     """attention_int8_scores (auto | on | off) and its row threshold -> paged_attention's int8_rows (0:
     off). auto is on for an int8 KV cache where the kernels built with the VNNI path; on asks for that

@@ -278,7 +278,8 @@ inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
-         int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, at::Tensor& out) {
+         int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, bool bf16_pv,
+         at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
@@ -292,7 +293,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::unique_ptr<uint8_t[]> units;  // every byte is written by pack_unit: no zero fill
 #if defined(HASTEN_INT8_SCORES)
   if constexpr (std::is_same_v<cache_t, int8_t>) {
-    const int64_t ub = int8_unit_bytes(sh.D);
+    const int64_t ub = int8_unit_bytes(sh.D, bf16_pv);
     int64_t bytes = 0;
     std::vector<std::array<int64_t, 3>> jobs;  // sequence, kv head, unit
     if (int8_rows > 0 && softcap == 0.0 && int8_scores_take(sh.D)) {
@@ -311,7 +312,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         for (int64_t i = begin; i < end; ++i) {
           const auto [s, h, u] = jobs[i];
           pack_unit(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>() + s * sh.max_blocks,
-                    cl[s], u, h, sh.BS, sh.KVH, sh.D, units.get() + unit_offset[s] + (h * unit_count[s] + u) * ub);
+                    cl[s], u, h, sh.BS, sh.KVH, sh.D, bf16_pv, units.get() + unit_offset[s] + (h * unit_count[s] + u) * ub);
         }
       });
     }
@@ -362,7 +363,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(HASTEN_INT8_SCORES)
         if (const Item& it = items[i]; unit_offset[it.seq] >= 0) {
           attend_tile_int8(q.data_ptr<scalar_t>(), qs[it.seq], qs[it.seq + 1] - qs[it.seq], cl[it.seq], it.q_begin,
-                           it.q_end, it.head_begin, it.head_end, sh.H, sh.G, sh.D, sh.scale,
+                           it.q_end, it.head_begin, it.head_end, sh.H, sh.G, sh.D, sh.scale, bf16_pv,
                            units.get() + unit_offset[it.seq], unit_count[it.seq], out.data_ptr<scalar_t>());
           continue;
         }
@@ -409,11 +410,22 @@ bool attention_int8_has_tiles() {
 #endif
 }
 
+bool attention_bf16_pv_has_tiles() {
+#if defined(HASTEN_BF16_PV)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window, double softcap, int64_t wide_rows,
-                           int64_t int8_rows) {
+                           int64_t int8_rows, bool int8_bf16_pv) {
+#if !defined(HASTEN_BF16_PV)
+  int8_bf16_pv = false;  // this build has no bfloat16 dot products: float32 P V
+#endif
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q must be [T,H,D], caches [N,BS,KVH,D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -458,16 +470,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
     else if (int8_cache)
       run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
   });
   for (int64_t s = 0; s < S && any_wide; ++s)
     if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);

@@ -32,10 +32,12 @@ class PrefillAttention:
     """How the C++ attention kernel serves sequences with many new tokens (prefill chunks); 0: off.
     bf16_rows: from that many, bfloat16 SDPA over the gathered keys and values (attention_bf16);
     int8_rows: from that many, over an int8 cache, scores of q rounded to int8 against the cache's key
-    codes (attention_int8_scores; paged_attention's int8_rows)."""
+    codes (attention_int8_scores; paged_attention's int8_rows); bf16_pv: those rows' P V as bfloat16 dot
+    products (attention_bf16_pv; paged_attention's int8_bf16_pv)."""
 
     bf16_rows: int = 0
     int8_rows: int = 0
+    bf16_pv: bool = False
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -118,6 +120,7 @@ class Decoder:
         if self.loop is not None:
             self.loop.set_wide_attention_rows(paths.bf16_rows)
             self.loop.set_int8_attention_rows(paths.int8_rows)
+            self.loop.set_bf16_pv(paths.bf16_pv)
 
     def set_fast_silu(self, on: bool) -> None:
         """on: the fused SiLU-multiply takes its vectorized exp (~2 ulp) wherever the down projection
@@ -166,7 +169,8 @@ class Decoder:
     def _attend(self, i: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
                                window=self.windows[i], softcap=self.softcap,
-                               wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows)
+                               wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows,
+                               int8_bf16_pv=self.prefill_attention.bf16_pv)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -289,16 +293,18 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
     """The prefill attention paths for `model` under an EngineConfig. attention_bf16's auto turns it on
     where the projections took bfloat16 for wide calls too (quant_bf16_gemm); attention_int8_scores'
     auto turns it on for an int8 KV cache where the kernels have its AVX-512 VNNI path."""
-    from hasten.kernels.cpu_features import resolve_bf16_rows, resolve_int8_attention_rows
+    from hasten.kernels.cpu_features import resolve_bf16_pv, resolve_bf16_rows, resolve_int8_attention_rows
 
     bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
     mode = config.attention_bf16
     if mode == "auto":  # the projections' own auto already asked for AMX; here it follows them
         mode = "on" if bf16_gemm else "off"
+    int8_rows = resolve_int8_attention_rows(config.attention_int8_scores, config.attention_int8_scores_min_rows,
+                                            config.kv_cache_dtype == "int8")
     return PrefillAttention(
         bf16_rows=resolve_bf16_rows("attention_bf16", mode, config.attention_bf16_min_rows),
-        int8_rows=resolve_int8_attention_rows(config.attention_int8_scores, config.attention_int8_scores_min_rows,
-                                              config.kv_cache_dtype == "int8"),
+        int8_rows=int8_rows,
+        bf16_pv=resolve_bf16_pv(config.attention_bf16_pv, int8_rows),
     )
 
 
