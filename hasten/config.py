@@ -96,6 +96,9 @@ class EngineConfig:
     # and P V taken as bfloat16 dot products with the value codes: auto = on where the kernels have the
     # AVX512-BF16 path | on (an error where they do not) | off
     attention_bf16_pv: str = "auto"
+    # cpp attention: in a step without prompt logprobs or hidden-state readers, the last layer writes every
+    # row's keys and values but runs attention, o_proj and the MLP only for the rows whose logits are sampled
+    last_layer_sampled_rows: bool = True
     cpu_linear_backend: str = "auto"  # auto (= onednn when available) | hasten (C++ register tiles) | onednn (pre-packed) | torch
     num_threads: int | None = None  # torch intra-op threads (per rank); None = torch's default (TP: cores / ranks)
     # tensor parallelism (hasten/distributed): heads, MLP rows and vocabulary split over this many ranks

@@ -23,7 +23,6 @@ from hasten.distributed.layers import ParallelDecoder, ShardQuantFactory, decode
 from hasten.distributed.sharding import ShardedState, ShardPlan, StagePlan
 from hasten.engine.model_runner import ModelRunner, StepInputs
 from hasten.model.config import ModelConfig
-from hasten.model.decoder import prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +59,7 @@ def build_rank_model(spec: WorkerSpec, cfg: ModelConfig, rank: int, group: Paral
         factory = engine_linear_factory(config, Path(spec.folder), spec.dtype)
     model = ParallelDecoder(plan, state, group, spec.dtype, spec.max_model_len, factory, stage,
                             fused_ops=config.fused_decoder_ops, attention_group=config.attention_prefix_group)
-    model.set_prefill_attention(prefill_attention(model, config))
-    model.set_fast_silu(config.fast_silu)
+    model.apply_cpu_switches(config)
     return model
 
 

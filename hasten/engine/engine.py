@@ -19,7 +19,7 @@ from hasten.engine.scheduler import Scheduler, SchedulerConfig
 from hasten.engine.spec import DepthController, NgramProposer, SpecStats, verify
 from hasten.engine.stats import EngineStats, QueueFullError
 from hasten.model.config import ModelConfig
-from hasten.model.decoder import Decoder, prefill_attention
+from hasten.model.decoder import Decoder
 from hasten.model.dtypes import check_int8_kv_cache, resolve_dtype, resolve_kv_cache_dtype
 from hasten.model.layers import resolve_attention_backend
 from hasten.model.loader import load_hf_config, load_state_dict, resolve_model
@@ -104,8 +104,7 @@ class LLMEngine:
             if not self.device_path:
                 # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too, int8
                 # scores over an int8 cache where the kernels have VNNI
-                self.model.set_prefill_attention(prefill_attention(self.model, config))
-                self.model.set_fast_silu(config.fast_silu)
+                self.model.apply_cpu_switches(config)
             num_blocks = self._num_blocks(rank_cfg)
         # every layer's window (under pipeline parallelism rank 0 holds only its stage's layers)
         windows = cfg.windows_within(self.max_model_len)

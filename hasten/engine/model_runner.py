@@ -206,8 +206,12 @@ class ModelRunner:
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The decoder over one step's tensors: (logits of the sampled rows, logits of each prompt-logprobs span).
         A tensor-parallel runner first hands `step` to its other ranks, which run this same function."""
-        hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches)
+        # only the sampled rows' hidden states are read (the decoder may then skip the others' last layer)
+        rows = step.sample_rows if not (step.prompt_spans or self.keep_hidden) else None
+        hidden = self.model.forward(step.input_ids, step.positions, step.meta, self.kv_caches, out_rows=rows)
         if self.keep_hidden:
             self.last_hidden = hidden
+        if rows is not None:
+            return self.model.logits(hidden), []
         logits = self.model.logits(hidden[step.sample_rows]) if step.sample_rows is not None else None
         return logits, [self.model.logits(hidden[first : first + count]) for first, count in step.prompt_spans]

@@ -205,14 +205,19 @@ class DecoderLoop {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // input_ids, positions, slots: [T] int64; caches: one (k, v) pair per layer. Returns the
-  // final-norm hidden states [T, hidden].
+  // final-norm hidden states [T, hidden]. rows (out_rows [R], and the attention metadata of those rows
+  // as one-token sequences: block tables, query starts 0 .. R, context lengths): the last layer
+  // writes every row's keys and values, then runs attention, o_proj and the MLP for these rows only,
+  // and the result is their hidden states [R, hidden] (llama.cpp's output-row selection).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
-                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) const {
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     std::optional<std::vector<at::Tensor>> rows) const {
     const int64_t L = num_layers();
     TORCH_CHECK(L > 0, "no layers");
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "one k and one v cache per layer expected");
+    TORCH_CHECK(!rows || rows->size() == 4, "rows: out_rows, block_tables, query_start, context_lens");
     const int64_t qd = heads_ * d_, kd = kv_heads_ * d_;
     PartTimer timer(profiling_ ? &totals_ : nullptr);
     at::Tensor h = embed_.index_select(0, input_ids);  // the residual stream, updated in place
@@ -229,10 +234,16 @@ class DecoderLoop {
       }
       timer.mark(kQkv);
       at::Tensor q = rope_and_cache(qkv, cos_, sin_, positions, slots, k_caches[i], v_caches[i], heads_, kv_heads_);
+      const bool picked = rows && i + 1 == L;  // the last layer, for the out rows only
+      if (picked) {
+        q = q.index_select(0, (*rows)[0]);
+        h = h.index_select(0, (*rows)[0]);
+      }
       timer.mark(kRope);
-      at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], block_tables, query_start,
-                                        context_lens, scale_, 8, attention_group_, lw.window, 0.0, wide_attention_rows_,
-                                        int8_attention_rows_, bf16_pv_);
+      at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], picked ? (*rows)[1] : block_tables,
+                                        picked ? (*rows)[2] : query_start, picked ? (*rows)[3] : context_lens, scale_, 8,
+                                        attention_group_, lw.window, 0.0, wide_attention_rows_, int8_attention_rows_,
+                                        bf16_pv_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -355,7 +366,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("qkv"), arg("o"), arg("gate_up"), arg("down"), arg("window") = 0,
            "one layer's weights; window > 0: sliding-window attention over its last `window` keys")
       .def("num_layers", &DecoderLoop::num_layers)
-      .def("forward", &DecoderLoop::forward, nogil)
+      .def("forward", &DecoderLoop::forward, nogil, arg("input_ids"), arg("positions"), arg("slots"),
+           arg("block_tables"), arg("query_start"), arg("context_lens"), arg("k_caches"), arg("v_caches"),
+           arg("rows") = py::none(),
+           "rows: [out_rows, their block tables, query starts, context lengths]: the last layer for those rows only")
       .def("set_attention_group", &DecoderLoop::set_attention_group,
            "most decode sequences one attention item serves over their shared prefix blocks (< 2: off)")
       .def("set_wide_attention_rows", &DecoderLoop::set_wide_attention_rows,

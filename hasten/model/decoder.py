@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hasten.model.config import ModelConfig
-from hasten.model.layers import AttentionMetadata, paged_attention, rms_norm
+from hasten.model.layers import AttentionMetadata, paged_attention, rms_norm, rows_metadata
 from hasten.model.linear import LinearFactory, LinearLayer, dense_factory
 from hasten.model.moe import moe_forward
 from hasten.model.rope import RotaryEmbedding, apply_rope
@@ -105,6 +105,7 @@ class Decoder:
         self.attention_group = attention_group
         self.prefill_attention = PrefillAttention()  # set_prefill_attention
         self.fast_silu = False  # set_fast_silu
+        self.last_layer_sampled_rows = False  # forward(out_rows=...): the last layer for those rows only
         self.returns_residual = False  # a pipeline stage before the last: forward() ends at the residual stream
         self.loop = None  # the C++ layer loop (float32 models with the fused ops only)
         if native_loop and self.ops is not None and ops is None:
@@ -121,6 +122,13 @@ class Decoder:
             self.loop.set_wide_attention_rows(paths.bf16_rows)
             self.loop.set_int8_attention_rows(paths.int8_rows)
             self.loop.set_bf16_pv(paths.bf16_pv)
+
+    def apply_cpu_switches(self, config: Any) -> None:
+        """An EngineConfig's switches of the CPU paths: prefill attention (prefill_attention), fast_silu
+        and last_layer_sampled_rows."""
+        self.set_prefill_attention(prefill_attention(self, config))
+        self.set_fast_silu(config.fast_silu)
+        self.last_layer_sampled_rows = bool(config.last_layer_sampled_rows)
 
     def set_fast_silu(self, on: bool) -> None:
         """on: the fused SiLU-multiply takes its vectorized exp (~2 ulp) wherever the down projection
@@ -202,14 +210,35 @@ class Decoder:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-norm hidden states [T, hidden] (the residual stream
-        before the final norm if returns_residual)."""
+        before the final norm if returns_residual), or those of out_rows [R] only. With
+        last_layer_sampled_rows and the C++ kernel's metadata, the last layer then writes every row's
+        keys and values but runs attention, o_proj and the MLP for out_rows alone."""
+        picked = None
+        if (out_rows is not None and self.last_layer_sampled_rows and meta.block_tables is not None
+                and meta.kernel == "cpp" and not self.returns_residual and out_rows.numel() < input_ids.numel()):
+            picked = (out_rows, rows_metadata(meta, out_rows))
         if self.loop is not None and meta.block_tables is not None:
-            return self.loop.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start,
-                                     meta.context_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches])
-        if self.ops is not None:
-            return self._forward_fused(input_ids, positions, meta, kv_caches)
+            rows = None if picked is None else [out_rows, picked[1].block_tables, picked[1].query_start,
+                                                picked[1].context_lens]
+            hidden = self.loop.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start,
+                                       meta.context_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches], rows)
+        elif self.ops is not None:
+            hidden = self._forward_fused(input_ids, positions, meta, kv_caches, picked)
+        else:
+            hidden, picked = self._forward_plain(input_ids, positions, meta, kv_caches), None
+        return hidden if out_rows is None or picked is not None else hidden[out_rows]
+
+    def _forward_plain(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """forward() in PyTorch ops, every row through every layer."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         tables = self._rope_tables(positions)
@@ -234,9 +263,11 @@ class Decoder:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        picked: tuple[torch.Tensor, AttentionMetadata] | None = None,
     ) -> torch.Tensor:
         """forward() with the glue in C++: per layer 4 matmuls, attention and 4 small fused calls
-        (a few more for the switches of Gemma and Granite; partial rotary rotates in PyTorch)."""
+        (a few more for the switches of Gemma and Granite; partial rotary rotates in PyTorch). picked:
+        (out rows, their rows_metadata): the last layer goes on with those rows only, as the C++ loop."""
         cfg, ops = self.cfg, self.ops
         eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         slots = meta.slot_mapping
@@ -254,6 +285,8 @@ class Decoder:
             else:
                 rope = self.layer_ropes[i]
                 q = ops.rope_and_cache(qkv, rope.cos, rope.sin, positions, slots, caches[0], caches[1], heads, kv_heads)
+            if picked is not None and i == last:
+                q, h, meta = q.index_select(0, picked[0]), h.index_select(0, picked[0]), picked[1]
             o = _contiguous(lw.o_proj(self._attend(i, q, caches, meta)))
             if lw.attn_out_norm is not None:
                 o = ops.rms_norm(o, lw.attn_out_norm, eps)

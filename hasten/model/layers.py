@@ -73,6 +73,22 @@ class AttentionMetadata:
     decode_splits: int = 0  # triton decode: splits along the sequence (0: the kernel's choice)
 
 
+def rows_metadata(meta: AttentionMetadata, rows: torch.Tensor) -> AttentionMetadata:
+    """The flat metadata of some rows of `meta`'s sequences (int64 `rows`, ascending), each row as a
+    one-token sequence that sees its own sequence's keys up to its own position: what the last layer
+    attends with when only the sampled rows go on (Decoder.forward's out_rows)."""
+    qs = meta.query_start
+    seq = torch.searchsorted(qs, rows, right=True) - 1
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows],
+        block_tables=meta.block_tables[seq].contiguous(),
+        query_start=torch.arange(rows.numel() + 1, dtype=torch.long),
+        context_lens=meta.context_lens[seq] - (qs[seq + 1] - rows) + 1,
+        kernel=meta.kernel,
+        max_query_len=1,
+    )
+
+
 ATTENTION_BACKENDS = ("auto", "cpp", "sdpa", "triton")
 
 
