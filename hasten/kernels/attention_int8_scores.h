@@ -140,24 +140,6 @@ inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_
   return int8_row_scale(row, D);
 }
 
-// exp(x) for x <= 0 as exp_nonpositive16 (the same polynomial), its steps fused multiply-adds and the
-// power of two applied by scalef: 11 instructions instead of 20. Its last bits differ from
-// exp_nonpositive16's, so only the bf16_pv path (which rounds the weights to 8 bits) takes it.
-inline __m512 exp_nonpositive16_fma(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(2.187750486e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.238782145e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.684580455e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.548042632e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402305020e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469287e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000003e+00f));
-  return _mm512_scalef_ps(p, fi);
-}
-
 constexpr int64_t kChunkUnits = 16;  // units scored before one softmax update (256 keys)
 
 // NR query rows (codes q + 128, D bytes each, scales sq, newest visible key positions last[r]) over
@@ -218,7 +200,7 @@ inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const in
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t i = 0; i < nu; ++i) {
         const __m512 x = _mm512_sub_ps(_mm512_load_ps(p[r] + i * kUnitKeys), vm);
-        const __m512 e = _mm512_maskz_mov_ps(seen[r][i], BF16PV ? exp_nonpositive16_fma(x) : exp_nonpositive16(x));
+        const __m512 e = _mm512_maskz_mov_ps(seen[r][i], exp_nonpositive16<BF16PV>(x));
         if constexpr (BF16PV) {
 #if defined(HASTEN_BF16_PV)
           const __m512 vscale = _mm512_loadu_ps(unit_at(unit_base + (u0 + i) * unit_stride, D).vscales);

@@ -27,3 +27,16 @@ def assert_loops_agree(native: LLM, python: LLM) -> None:
     for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def prompt_logprob_gap(a: LLM, b: LLM) -> float:
+    """The largest difference between two engines' prompt logprobs of the actual tokens, over prompts
+    of IDS long enough for several prefill chunks."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
+    prompts = [IDS * 3, IDS[:13] * 2]
+    worst = 0.0
+    for x, y in zip(a.generate(prompts, params), b.generate(prompts, params), strict=True):
+        for i in range(1, len(x.prompt_token_ids)):
+            tok = x.prompt_token_ids[i]
+            worst = max(worst, abs(x.prompt_logprobs[i][tok] - y.prompt_logprobs[i][tok]))
+    return worst
