@@ -99,7 +99,7 @@ def test_kl_per_token_matches_the_reference_value_and_gradient(temperature):
     for chunk in (1, 7, 38, 128):  # row chunks that do and do not divide the 38 rows
         got = kl_per_token(student, teacher, t, chunk=chunk)
         (grad,) = torch.autograd.grad(got * 1.7, student)
-        assert float(got) == pytest.approx(float(ref), rel=1e-6)
+        assert got.item() == pytest.approx(ref.item(), rel=1e-6)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-9)
     low = student.detach().bfloat16().requires_grad_()  # autocast's logits: the gradient comes back in bfloat16
     (grad,) = torch.autograd.grad(kl_per_token(low, teacher.bfloat16(), t), low)
