@@ -85,10 +85,10 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, (amax / 127.0).contiguous().view(torch.int8)], -1).contiguous()
 
 
-def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict[str, float] | None:
+def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict[tuple[int, str], float] | None:
     """ms for one n-token prefill's attention over `layers` layers of an int8 cache, then of a second
     n-token chunk after it (2n keys): float path, int8 scores, int8 scores with bfloat16 P V (where the
-    build has it); None where this build has no int8-score path (no AVX-512 VNNI)."""
+    build has it), keyed by (keys, path); None where this build has no int8-score path (no AVX-512 VNNI)."""
     from hasten.kernels import cpu_attention
 
     if not cpu_attention.int8_scores_available():
@@ -97,7 +97,7 @@ def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict
     modes = {"float": {}, "int8 scores": {"int8_rows": 16}}
     if cpu_attention.bf16_pv_available():
         modes["int8 scores + bf16 P V"] = {"int8_rows": 16, "int8_bf16_pv": True}
-    out: dict[str, float] = {}
+    out: dict[tuple[int, str], float] = {}
     for ctx in (n, 2 * n):
         tables = torch.arange(ctx // bs, dtype=torch.int32).view(1, -1)
         meta = (tables, torch.tensor([0, n]), torch.tensor([ctx]))
@@ -109,7 +109,7 @@ def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict
                 cpu_attention.paged_attention(q, k, v, *meta, 0.125, **kw)
 
         for name, kw in modes.items():
-            out[f"{name}, {ctx} keys"] = best_ms(lambda kw=kw: run(kw), repeats, 2)
+            out[ctx, name] = best_ms(lambda kw=kw: run(kw), repeats, 2)
     return out
 
 
@@ -189,9 +189,8 @@ def main() -> None:
     if int8 is None:
         print("attention, int8 cache, 256-token prefill: no int8-score path in this build (AVX-512 VNNI)")
     else:
-        base = {256: int8["float, 256 keys"], 512: int8["float, 512 keys"]}
         print("attention, int8 cache, 256 new tokens over 256 / 512 keys, 30 layers: " + "  ".join(
-            f"{k} {v:6.2f} ms ({base[int(k.split(', ')[-1].split()[0])] / v:4.2f}x)" for k, v in int8.items()))
+            f"{name}, {keys} keys {ms:6.2f} ms ({int8[keys, 'float'] / ms:4.2f}x)" for (keys, name), ms in int8.items()))
     t = silu_mul_step(args.repeats)
     print(f"SiLU-multiply, 512 x 1536, 30 layers   : fast {t['fast']:6.2f} ms  exact {t['exact']:6.2f} ms  "
           f"PyTorch {t['torch']:6.2f} ms  ratio PyTorch/fast {t['torch'] / t['fast']:4.2f}x")

@@ -103,7 +103,7 @@ class LLMEngine:
             del state
             if not self.device_path:
                 # auto: bfloat16 attention for prefill chunks where the projections took bfloat16 too, int8
-                # scores over an int8 cache where the kernels have VNNI
+                # scores (and bfloat16 P V) over an int8 cache where the kernels have VNNI (and AVX512-BF16)
                 self.model.apply_cpu_switches(config)
             num_blocks = self._num_blocks(rank_cfg)
         # every layer's window (under pipeline parallelism rank 0 holds only its stage's layers)

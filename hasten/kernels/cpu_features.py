@@ -33,11 +33,16 @@ def cpu_has_bf16_dot() -> bool:
 BF16_MODES = ("auto", "on", "off")
 
 
+def check_mode(option: str, mode: str) -> None:
+    """A switch's mode (auto | on | off), refused with the option's name otherwise."""
+    if mode not in BF16_MODES:
+        raise ValueError(f"{option} must be one of {BF16_MODES}, not {mode!r}")
+
+
 def check_switch(option: str, mode: str, min_rows: int, least_rows: int = 1) -> None:
     """A wide-path switch (auto | on | off) and its `<option>_min_rows` threshold, refused with the
     option's name when out of range."""
-    if mode not in BF16_MODES:
-        raise ValueError(f"{option} must be one of {BF16_MODES}, not {mode!r}")
+    check_mode(option, mode)
     if min_rows < least_rows:
         raise ValueError(f"{option}_min_rows must be >= {least_rows}, not {min_rows}")
 
@@ -69,8 +74,7 @@ def resolve_bf16_pv(mode: str, int8_rows: int) -> bool:
     """attention_bf16_pv (auto | on | off) -> paged_attention's int8_bf16_pv. It applies to the
     sequences attention_int8_scores takes (int8_rows > 0); auto is on where the kernels have the
     AVX512-BF16 path, on asks for it (an error where they lack it)."""
-    if mode not in BF16_MODES:
-        raise ValueError(f"attention_bf16_pv must be one of {BF16_MODES}, not {mode!r}")
+    check_mode("attention_bf16_pv", mode)
     if mode == "off":
         return False
     from hasten.kernels.cpu_attention import bf16_pv_available

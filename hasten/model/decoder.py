@@ -216,20 +216,21 @@ class Decoder:
         before the final norm if returns_residual), or those of out_rows [R] only. With
         last_layer_sampled_rows and the C++ kernel's metadata, the last layer then writes every row's
         keys and values but runs attention, o_proj and the MLP for out_rows alone."""
-        picked = None
-        if (out_rows is not None and self.last_layer_sampled_rows and meta.block_tables is not None
-                and meta.kernel == "cpp" and not self.returns_residual and out_rows.numel() < input_ids.numel()):
-            picked = (out_rows, rows_metadata(meta, out_rows))
+        rows_meta = None  # the out rows' metadata where the last layer goes on with them alone
+        if (out_rows is not None and self.last_layer_sampled_rows and self.ops is not None
+                and meta.block_tables is not None and meta.kernel == "cpp" and not self.returns_residual
+                and out_rows.numel() < input_ids.numel()):
+            rows_meta = rows_metadata(meta, out_rows)
         if self.loop is not None and meta.block_tables is not None:
-            rows = None if picked is None else [out_rows, picked[1].block_tables, picked[1].query_start,
-                                                picked[1].context_lens]
+            rows = None if rows_meta is None else [out_rows, rows_meta.block_tables, rows_meta.query_start,
+                                                   rows_meta.context_lens]
             hidden = self.loop.forward(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start,
                                        meta.context_lens, [k for k, _ in kv_caches], [v for _, v in kv_caches], rows)
         elif self.ops is not None:
-            hidden = self._forward_fused(input_ids, positions, meta, kv_caches, picked)
+            hidden = self._forward_fused(input_ids, positions, meta, kv_caches, out_rows, rows_meta)
         else:
-            hidden, picked = self._forward_plain(input_ids, positions, meta, kv_caches), None
-        return hidden if out_rows is None or picked is not None else hidden[out_rows]
+            hidden = self._forward_plain(input_ids, positions, meta, kv_caches)
+        return hidden if out_rows is None or rows_meta is not None else hidden[out_rows]
 
     def _forward_plain(
         self,
@@ -263,11 +264,12 @@ class Decoder:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        picked: tuple[torch.Tensor, AttentionMetadata] | None = None,
+        out_rows: torch.Tensor | None = None,
+        rows_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """forward() with the glue in C++: per layer 4 matmuls, attention and 4 small fused calls
-        (a few more for the switches of Gemma and Granite; partial rotary rotates in PyTorch). picked:
-        (out rows, their rows_metadata): the last layer goes on with those rows only, as the C++ loop."""
+        (a few more for the switches of Gemma and Granite; partial rotary rotates in PyTorch). rows_meta
+        (out_rows' rows_metadata): the last layer goes on with those rows only, as the C++ loop."""
         cfg, ops = self.cfg, self.ops
         eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         slots = meta.slot_mapping
@@ -285,8 +287,8 @@ class Decoder:
             else:
                 rope = self.layer_ropes[i]
                 q = ops.rope_and_cache(qkv, rope.cos, rope.sin, positions, slots, caches[0], caches[1], heads, kv_heads)
-            if picked is not None and i == last:
-                q, h, meta = q.index_select(0, picked[0]), h.index_select(0, picked[0]), picked[1]
+            if rows_meta is not None and i == last:
+                q, h, meta = q.index_select(0, out_rows), h.index_select(0, out_rows), rows_meta
             o = _contiguous(lw.o_proj(self._attend(i, q, caches, meta)))
             if lw.attn_out_norm is not None:
                 o = ops.rms_norm(o, lw.attn_out_norm, eps)
