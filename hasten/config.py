@@ -74,6 +74,9 @@ class EngineConfig:
     # up to this many consecutive 32-runs of x share one int8 scale in those calls (1 .. 8; 1: per 32 values
     # as every other int8-activation kernel): fewer int-to-float conversions per weight
     quant_u8_gemm_x_runs: int = 1
+    # each int8 scale of x in those calls rounded up to a power of two (the codes then span 64 .. 127
+    # instead of 127), so that the kernel applies it as an exponent shift off the VNNI pipes
+    quant_u8_gemm_pow2_x_scales: bool = False
     # SiLU-multiply with a vectorized exp (~2 ulp) where the down projection rounds its input anyway
     # (int8 / bfloat16 activations); float32-exact layers keep the exact exp
     fast_silu: bool = True

@@ -90,8 +90,7 @@ class ShardQuantFactory:
             qw = quantize_int4(weight, group, o.symmetric)
         qw.bias = bias
         return make_layer(qw, o.max_kernel_rows, o.int4_kernel, o.int8_kernel, q8_gemm=o.q8_gemm,
-                          bf16_gemm=o.bf16_gemm, bf16_gemm_min_rows=o.bf16_gemm_min_rows, u8_gemm=o.u8_gemm,
-                          u8_gemm_min_rows=o.u8_gemm_min_rows, u8_gemm_x_runs=o.u8_gemm_x_runs)
+                          bf16_gemm=o.bf16_gemm, bf16_gemm_min_rows=o.bf16_gemm_min_rows, **o.u8_options())
 
 
 class ParallelDecoder(Decoder):

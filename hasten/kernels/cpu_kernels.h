@@ -31,7 +31,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 // gemm_u8_cpu.cpp: the wide int8 GEMM over an 8-bit-per-row copy of a quantized weight
 std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight);
 at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
-                             const at::Tensor& offset, int64_t N, int64_t x_runs = 1);
+                             const at::Tensor& offset, int64_t N, int64_t x_runs = 1, bool pow2_x_scales = false);
 bool u8_gemm_has_tiles();
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;

@@ -40,6 +40,7 @@ struct Linear {
   // of the weight (u8_pack_rows16's packed, step, offset; out_features rows)
   std::optional<std::vector<at::Tensor>> u8_weight;
   int64_t u8_min_rows = 0, u8_x_runs = 1;
+  bool u8_pow2_x_scales = false;
   bool rounds_input = false;  // the layer rounds x (int8 or bfloat16 activations): not float32-exact anyway
   std::optional<at::Tensor> bias, inv_input_scale;
   py::object callable;
@@ -63,7 +64,7 @@ struct Linear {
     }
     if (takes_u8(x.size(0))) {
       const auto& u8 = *u8_weight;
-      y = u8_linear_q8_gemm(x.contiguous(), u8[0], u8[1], u8[2], out_features, u8_x_runs);
+      y = u8_linear_q8_gemm(x.contiguous(), u8[0], u8[1], u8[2], out_features, u8_x_runs, u8_pow2_x_scales);
       if (bias) y += bias->to(y.scalar_type());
       return y;
     }
@@ -104,7 +105,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
                    std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable,
                    int64_t gemm_min_rows, int64_t out_features, std::optional<at::Tensor> bf16_weight,
                    int64_t bf16_min_rows, bool rounds_input, std::optional<std::vector<at::Tensor>> u8_weight,
-                   int64_t u8_min_rows, int64_t u8_x_runs) {
+                   int64_t u8_min_rows, int64_t u8_x_runs, bool u8_pow2_x_scales) {
   Linear l;
   static const std::vector<std::pair<std::string, LinearKind>> kinds = {
       {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
@@ -147,6 +148,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
   l.u8_weight = std::move(u8_weight);
   l.u8_min_rows = u8_min_rows;
   l.u8_x_runs = u8_x_runs;
+  l.u8_pow2_x_scales = u8_pow2_x_scales;
   l.rounds_input = rounds_input;
   l.bias = std::move(bias);
   l.inv_input_scale = std::move(inv_input_scale);
@@ -318,8 +320,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_linear", &float_linear, nogil, "y = x W^T, float32, through the register tiles");
   m.def("u8_pack_rows16", &u8_pack_rows16, nogil, "a float32 weight [N, K] as 8-bit codes per row (u8_linear_q8_gemm's layout)");
   m.def("u8_linear_q8_gemm", &u8_linear_q8_gemm, nogil, arg("x"), arg("packed"), arg("step"), arg("offset"), arg("n"),
-        arg("x_runs") = 1, "y = x W^T over u8_pack_rows16's layout, x rounded to int8 per 32 values (x_runs > 1: "
-        "up to that many consecutive 32-runs share one scale)");
+        arg("x_runs") = 1, arg("pow2_x_scales") = false,
+        "y = x W^T over u8_pack_rows16's layout, x rounded to int8 per 32 values (x_runs > 1: up to that many "
+        "consecutive 32-runs share one scale; pow2_x_scales: each scale rounded up to a power of two)");
   m.def("u8_gemm_has_tiles", &u8_gemm_has_tiles, "whether this build has the AVX-512 VNNI tiles of u8_linear_q8_gemm");
   m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
   m.def("int8_pack_rows8", &int8_pack_rows8, nogil, "int8 weight and row scales -> the layout of int8_linear_q8_gemm");
@@ -353,11 +356,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_linear", &make_linear, arg("kind"), arg("tensors"), arg("group") = 0, arg("bias") = py::none(),
         arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2, arg("out_features") = 0,
         arg("bf16_weight") = py::none(), arg("bf16_min_rows") = 0, arg("rounds_input") = false,
-        arg("u8_weight") = py::none(), arg("u8_min_rows") = 0, arg("u8_x_runs") = 1,
+        arg("u8_weight") = py::none(), arg("u8_min_rows") = 0, arg("u8_x_runs") = 1, arg("u8_pow2_x_scales") = false,
         "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group; int4_q8 may add int4_pack_rows8's "
         "three tensors for its int8 GEMM) | int8 [qweight, scales] | int8g [int8g_pack_rows8's three] (+ group, "
         "out_features) | python (callable); u8_weight: u8_pack_rows16's three tensors for calls of u8_min_rows "
-        "rows or more (+ out_features; u8_x_runs as u8_linear_q8_gemm's x_runs)");
+        "rows or more (+ out_features; u8_x_runs, u8_pow2_x_scales as u8_linear_q8_gemm's x_runs, pow2_x_scales)");
   py::class_<DecoderLoop>(m, "DecoderLoop", "the decoder's layer loop in C++ (see decoder_loop_cpu.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("scale"), arg("embed"), arg("final_norm"),

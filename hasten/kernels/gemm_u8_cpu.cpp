@@ -10,7 +10,12 @@
 // The integer run sums are u8 x s8 VNNI multiply-adds with the weight codes in the lanes, 16 rows per
 // 512-bit register; unlike the int4 tiles (quant_gemm_q8_cpu.cpp) there is no nibble unpacking and no
 // per-run weight scale or min, so per run and row of x only one conversion and one multiply-add
-// remain besides the integer work.
+// remain besides the integer work. With pow2 x scales (every d a power of two, quantize_x_q8's pow2)
+// that multiply-add becomes an exponent shift and an add (vscalefps, vaddps): on Zen 4 the VNNI
+// multiply-adds share their two pipes with the float multiplies and FMAs but not with the conversion,
+// scalef and add (a loop of 12 vpdpbusd + 3 FMAs runs at 12 / 15 of the pure VNNI rate; + 3 scalef
+// or 3 cvt at the full rate), so the epilogue no longer takes VNNI issue slots. The product of an
+// integer and a power of two is exact, so the result is the same as the multiply-add's.
 //
 // Layout: packed uint8 [N16, K / 4, 16, 4]: byte (nb, kb, r, j) is row 16 nb + r's code at run-order
 // position 4 kb + j (rows past N are zero, with step and offset 0). One 64-byte load is 4 positions of
@@ -49,10 +54,11 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// MR rows of x against NW packed blocks (16 NW weight rows). xtot: each row's sum of x. ahead: the
-// bytes from these blocks to the next ones a thread takes, for the first tile of a panel to prefetch
-// them into L2 (else 0): 30 SmolLM2 layers of weights from memory, 16 rows of x, 9.8 -> 8.3 ms.
-template <int MR, int NW>
+// MR rows of x against NW packed blocks (16 NW weight rows). xd: the scale per row and 32-run of x, or
+// with Pow2 its base-2 exponent. xtot: each row's sum of x. ahead: the bytes from these blocks to the
+// next ones a thread takes, for the first tile of a panel to prefetch them into L2 (else 0): 30
+// SmolLM2 layers of weights from memory, 16 rows of x, 9.8 -> 8.3 ms.
+template <int MR, int NW, bool Pow2>
 inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_t K, int64_t share, const uint8_t* w,
                     int64_t block_bytes, const float* step, const float* offset, float* out, int64_t ldo, int64_t cols,
                     int64_t ahead) {
@@ -77,7 +83,10 @@ inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_
     }
     for (int r = 0; r < MR; ++r) {
       const __m512 d = _mm512_set1_ps(xd[r * C + c]);
-      for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[r][j]), d, acc[r][j]);
+      for (int j = 0; j < NW; ++j) {
+        if constexpr (Pow2) acc[r][j] = _mm512_add_ps(acc[r][j], _mm512_scalef_ps(_mm512_cvtepi32_ps(run[r][j]), d));
+        else acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[r][j]), d, acc[r][j]);
+      }
     }
   }
   for (int j = 0; j < NW; ++j) {
@@ -157,7 +166,7 @@ std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight) {
 }
 
 at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
-                             const at::Tensor& offset, int64_t N, int64_t x_runs) {
+                             const at::Tensor& offset, int64_t N, int64_t x_runs, bool pow2_x_scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N16 = (N + kRows - 1) / kRows, C = K / kChunk;
   TORCH_CHECK(K > 0 && K % kChunk == 0, "K must be a positive multiple of 32, got ", K);
@@ -171,7 +180,7 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   if (M == 0 || N == 0) return y;
   TORCH_CHECK(x_runs >= 1 && x_runs <= 8, "x runs per scale must be 1 .. 8, got ", x_runs);
   const int64_t share = runs_per_scale(K, x_runs);
-  const QuantizedX xq(x, kChunk, share);
+  const QuantizedX xq(x, kChunk, share, pow2_x_scales);
   const int8_t* xqp = xq.q.data_ptr<int8_t>();
   const float* xdp = xq.d.data_ptr<float>();
   // the sum of the ROUNDED x (quantize_x_q8's run sums): with it the offset term completes
@@ -191,6 +200,16 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   float* yp = y.data_ptr<float>();
   const int64_t bytes = (K / 4) * 64;  // one packed block
 #if defined(HASTEN_U8_GEMM)
+  std::vector<float> exponents;  // pow2: log2 of each scale, as vscalefps takes it (0 for a run of zeros)
+  if (pow2_x_scales) {
+    exponents.resize(M * C);
+    for (int64_t i = 0; i < M * C; ++i) {  // a normal power of two: its biased exponent field less 127
+      uint32_t bits;
+      std::memcpy(&bits, xdp + i, sizeof(bits));
+      exponents[i] = xdp[i] > 0.0f ? static_cast<float>(static_cast<int32_t>(bits >> 23) - 127) : 0.0f;
+    }
+    xdp = exponents.data();
+  }
   constexpr int NW = 2;
   constexpr int64_t kPanel = 64;  // rows of x per panel: a panel stays in cache over a thread's blocks
   const int64_t tasks = (N16 + NW - 1) / NW;
@@ -202,7 +221,11 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
         const uint8_t* w = wp + nb * bytes;
         auto call = [&](auto rows, auto blocks, int64_t m) {
           constexpr int R = decltype(rows)::value, B = decltype(blocks)::value;
-          u8_tile<R, B>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, sp + nb * kRows, op + nb * kRows,
+          if (pow2_x_scales)
+            u8_tile<R, B, true>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, sp + nb * kRows,
+                                op + nb * kRows, yp + m * N + nb * kRows, N, cols, m == m0 && t + 1 < end ? NW * bytes : 0);
+          else
+            u8_tile<R, B, false>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, sp + nb * kRows, op + nb * kRows,
                         yp + m * N + nb * kRows, N, cols, m == m0 && t + 1 < end ? NW * bytes : 0);
         };
         for (int64_t m = m0; m < m1;) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -85,10 +86,22 @@ inline float abs_max(const float* x, int64_t n) {
 #endif
 }
 
+// The smallest power of two >= d (d itself where it is one, 0 for 0): a scale the kernels can apply as
+// an exponent shift (vscalefps) instead of a multiply.
+inline float pow2_at_least(float d) {
+  if (!(d > 0.0f)) return 0.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &d, sizeof(bits));
+  if (bits & 0x7FFFFFu) bits = ((bits >> 23) + 1u) << 23;  // a mantissa left: the next exponent, mantissa 0
+  std::memcpy(&d, &bits, sizeof(bits));
+  return d;
+}
+
 // share > 1: runs of `share` 32-runs share one scale (the largest of their absmax), each run's d still
-// stored (C / share distinct values per row); C must be a multiple of share.
+// stored (C / share distinct values per row); C must be a multiple of share. pow2: each d rounded up
+// to a power of two (codes then span 64 .. 127 of the int8 range instead of 127).
 inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, int64_t K, int64_t group, int8_t* xq,
-                               float* xd, float* xs, int64_t share = 1) {
+                               float* xd, float* xs, int64_t share = 1, bool pow2 = false) {
   // group sums (xs) of the rounded x, below; a group is whole 32-runs, or (grouped int8 weights) 16 k
   const int64_t C = K / kChunk, per_group = group % kChunk == 0 ? group / kChunk : 0;
   std::vector<float> shared_amax(share > 1 ? C / share : 0);
@@ -106,7 +119,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
       __m256 v[4];
       for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xc + 8 * j);
       const float amax = share > 1 ? shared_amax[c / share] : abs_max(xc, kChunk);
-      const float d = amax / 127.0f;
+      const float d = pow2 ? pow2_at_least(amax / 127.0f) : amax / 127.0f;
       const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
       // run order: the even k of the 32 first, then the odd ones. shuffle_ps picks them per 128-bit
       // lane; swapping the middle 64-bit quarters puts them in k order.
@@ -127,7 +140,7 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
                           _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
       const float amax = share > 1 ? shared_amax[c / share] : abs_max(xc, kChunk);
-      const float d = amax / 127.0f;
+      const float d = pow2 ? pow2_at_least(amax / 127.0f) : amax / 127.0f;
       const float inv = d > 0.0f ? 1.0f / d : 0.0f;
       run_sum[c] = 0;
       for (int64_t i = 0; i < kChunk / 2; ++i) {
@@ -163,26 +176,27 @@ inline void quantize_x_q8_rows(const float* x, int64_t m_begin, int64_t m_end, i
 // group sums of the rounded x. Trades a relative error of about 1/254 per activation for ~3x fewer
 // instructions per weight than the float path. Rows split across threads when there are many.
 inline void quantize_x_q8(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xd, float* xs,
-                          int64_t share = 1) {
+                          int64_t share = 1, bool pow2 = false) {
   const int64_t grain = std::max<int64_t>(1, 8192 / K);
   if (M <= grain) {
-    quantize_x_q8_rows(x, 0, M, K, group, xq, xd, xs, share);
+    quantize_x_q8_rows(x, 0, M, K, group, xq, xd, xs, share, pow2);
     return;
   }
-  at::parallel_for(0, M, grain,
-                   [&](int64_t begin, int64_t end) { quantize_x_q8_rows(x, begin, end, K, group, xq, xd, xs, share); });
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    quantize_x_q8_rows(x, begin, end, K, group, xq, xd, xs, share, pow2);
+  });
 }
 
 // x [M, K] (contiguous float32) rounded by quantize_x_q8 into tensors that live for one call:
 // q int8 [M, K] (run order), d float32 [M, K / 32], sums float32 [M, K / group].
 struct QuantizedX {
   at::Tensor q, d, sums;
-  QuantizedX(const at::Tensor& x, int64_t group, int64_t share = 1)
+  QuantizedX(const at::Tensor& x, int64_t group, int64_t share = 1, bool pow2 = false)
       : q(at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar))),
         d(at::empty({x.size(0), x.size(1) / kChunk}, x.options())),
         sums(at::empty({x.size(0), x.size(1) / group}, x.options())) {
     quantize_x_q8(x.data_ptr<float>(), x.size(0), x.size(1), group, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  sums.data_ptr<float>(), share);
+                  sums.data_ptr<float>(), share, pow2);
   }
 };
 

@@ -128,10 +128,11 @@ def u8_pack_rows16(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def u8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
-                      n: int, x_runs: int = 1) -> torch.Tensor:
+                      n: int, x_runs: int = 1, pow2_x_scales: bool = False) -> torch.Tensor:
     """y = x W^T over u8_pack_rows16's layout, x rounded to int8 per 32 values (as the other
     int8-activation kernels): integer multiply-adds over 16 weight rows at once. x_runs (1 .. 8) > 1:
     up to that many consecutive 32-runs of x share one scale (the largest count dividing K / 32), so
-    their integer sums are converted to float once."""
-    return _module().u8_linear_q8_gemm(x, packed, step, offset, n, x_runs)
+    their integer sums are converted to float once. pow2_x_scales: each scale rounded up to a power of
+    two, which the AVX-512 tiles apply as an exponent shift instead of a multiply-add."""
+    return _module().u8_linear_q8_gemm(x, packed, step, offset, n, x_runs, pow2_x_scales)
 

@@ -31,7 +31,8 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
     wide = {"bf16_weight": layer.bf16_weight, "bf16_min_rows": layer.bf16_min_rows} if getattr(layer, "bf16_weight", None) is not None else {}
     wide["rounds_input"] = bool(getattr(layer, "rounds_activations", False))
     if getattr(layer, "u8_weight", None) is not None:
-        wide.update(u8_weight=list(layer.u8_weight), u8_min_rows=layer.u8_min_rows, u8_x_runs=layer.u8_x_runs)
+        wide.update(u8_weight=list(layer.u8_weight), u8_min_rows=layer.u8_min_rows, u8_x_runs=layer.u8_x_runs,
+                    u8_pow2_x_scales=layer.u8_pow2_x_scales)
     if hasattr(layer, "n"):
         wide["out_features"] = layer.n
     if isinstance(layer, Int4HastenLinear):

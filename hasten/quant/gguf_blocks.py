@@ -145,12 +145,12 @@ class GGUFLinearFactory:
         self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto",
         int8_kernel: str = "auto", q8_gemm: bool = True, q8_0: str = "grouped", bf16_gemm: str = "off",
         bf16_gemm_min_rows: int = 32, layer_maker: Callable[[QuantizedWeight | GroupedInt8Weight], LinearLayer]
-        | None = None, u8_gemm: str = "off", u8_gemm_min_rows: int = 16, u8_gemm_x_runs: int = 1,
+        | None = None, u8: dict | None = None,
     ):
         """q8_0: "grouped" serves Q8_0 blocks as they are (a scale per 32 weights); "row" re-scales
         them per output row for the per-channel int8 kernel (one rounding, a little less memory).
-        bf16_gemm, bf16_gemm_min_rows, u8_gemm, u8_gemm_min_rows, u8_gemm_x_runs: the wide-call paths
-        (see make_layer)."""
+        bf16_gemm, bf16_gemm_min_rows; u8 (make_layer's u8_* keywords, QuantOptions.u8_options): the
+        wide-call paths (see make_layer)."""
         from gguf import GGUFReader
 
         self.path = gguf_path
@@ -165,7 +165,7 @@ class GGUFLinearFactory:
         self.q8_gemm = q8_gemm
         self.bf16_gemm = bf16_gemm
         self.bf16_gemm_min_rows = bf16_gemm_min_rows
-        self.u8 = {"u8_gemm": u8_gemm, "u8_gemm_min_rows": u8_gemm_min_rows, "u8_gemm_x_runs": u8_gemm_x_runs}
+        self.u8 = dict(u8 or {})
         if q8_0 not in ("grouped", "row"):
             raise ValueError(f"q8_0 must be 'grouped' or 'row', got {q8_0!r}")
         self.q8_0 = q8_0

@@ -123,6 +123,7 @@ class QuantLinear:
         self.u8_weight: list[torch.Tensor] | None = None
         self.u8_min_rows = 0
         self.u8_x_runs = 1
+        self.u8_pow2_x_scales = False
 
     def enable_bf16_gemm(self, min_rows: int) -> None:
         """From `min_rows` rows of x on (prefill chunks, wide decode batches), multiply x in bfloat16
@@ -133,11 +134,12 @@ class QuantLinear:
         self.bf16_weight = self.dequantize_codes().to(torch.bfloat16).contiguous()
         self.bf16_min_rows = min_rows
 
-    def enable_u8_gemm(self, min_rows: int, x_runs: int = 1) -> None:
+    def enable_u8_gemm(self, min_rows: int, x_runs: int = 1, pow2_x_scales: bool = False) -> None:
         """From `min_rows` rows of x on, x rounded to int8 per 32 values times an 8-bit-per-row copy of
         the dequantized weight (u8_linear_q8_gemm: integer multiply-adds without the int4 tiles' nibble
         unpacking and per-32 weight scales). Costs 1 byte per weight; the codes stay for narrow calls.
-        x_runs (1 .. 8): up to that many consecutive 32-runs of x share one int8 scale (u8_linear_q8_gemm)."""
+        x_runs (1 .. 8): up to that many consecutive 32-runs of x share one int8 scale; pow2_x_scales:
+        each scale rounded up to a power of two (u8_linear_q8_gemm)."""
         from hasten.kernels.quant_linear import u8_pack_rows16
 
         if min_rows < 1:
@@ -149,6 +151,7 @@ class QuantLinear:
         self.u8_weight = u8_pack_rows16(self.dequantize_codes().float().contiguous())
         self.u8_min_rows = min_rows
         self.u8_x_runs = x_runs
+        self.u8_pow2_x_scales = pow2_x_scales
 
     def takes_u8(self, rows: int) -> bool:
         return self.u8_weight is not None and rows >= self.u8_min_rows
@@ -163,7 +166,7 @@ class QuantLinear:
             from hasten.kernels.quant_linear import u8_linear_q8_gemm
 
             self.calls["u8"] += 1
-            y = self._float32_call(u8_linear_q8_gemm, x, *self.u8_weight, self.n, self.u8_x_runs)
+            y = self._float32_call(u8_linear_q8_gemm, x, *self.u8_weight, self.n, self.u8_x_runs, self.u8_pow2_x_scales)
         elif self.use_kernel and x.shape[0] <= self.max_kernel_rows:
             self.calls["kernel"] += 1
             y = self._run_kernel(x)
@@ -488,14 +491,16 @@ class GroupedInt8Linear(QuantLinear):
 def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 32, int4_kernel: str = "auto",
                int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True,
                int8_auto: str = INT8_AUTO, bf16_gemm: str = "off", bf16_gemm_min_rows: int = 32,
-               u8_gemm: str = "off", u8_gemm_min_rows: int = 16, u8_gemm_x_runs: int = 1) -> QuantLinear:
+               u8_gemm: str = "off", u8_gemm_min_rows: int = 16, u8_gemm_x_runs: int = 1,
+               u8_gemm_pow2_x_scales: bool = False) -> QuantLinear:
     """The layer for `qw`. bf16_gemm (quant_bf16_gemm: auto | on | off) adds the bfloat16 path for calls
     of bf16_gemm_min_rows rows or more; auto does so where the CPU has AMX, for layers whose kernel
     rounds x anyway (int8 or bfloat16 activations), so exact float32-activation layers stay exact.
     u8_gemm (quant_u8_gemm) adds the 8-bit copy for calls of u8_gemm_min_rows rows or more that the
     bfloat16 path does not take; auto does so where the build has its AVX-512 VNNI tiles, for 4-bit
     layers with int8 activations (an 8-bit row keeps a 4-bit block's values to within 1/510 of the
-    row's range; the 5- to 8-bit blocks keep their own kernel); u8_gemm_x_runs: see enable_u8_gemm."""
+    row's range; the 5- to 8-bit blocks keep their own kernel); u8_gemm_x_runs, u8_gemm_pow2_x_scales:
+    see enable_u8_gemm."""
     layer: QuantLinear
     if isinstance(qw, Int8Weight):
         layer = Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
@@ -513,5 +518,5 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
     auto_u8 = isinstance(layer, Int4HastenLinear) and layer.int8_activations
     rows = cpu_features.resolve_u8_rows(u8_gemm, u8_gemm_min_rows, auto_u8)
     if rows:
-        layer.enable_u8_gemm(rows, u8_gemm_x_runs)
+        layer.enable_u8_gemm(rows, u8_gemm_x_runs, u8_gemm_pow2_x_scales)
     return layer

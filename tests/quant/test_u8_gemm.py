@@ -34,12 +34,15 @@ def unpacked(packed: torch.Tensor, step: torch.Tensor, offset: torch.Tensor, n: 
     return codes, codes.double() * step[:n, None].double() + offset[:n, None].double()
 
 
-def rounded_x(x: torch.Tensor, share: int = 1) -> torch.Tensor:
-    """x as the int8-activation kernels round it: per 32 values (per 32 * share with x_runs), d = amax / 127,
-    q = round(x / d)."""
+def rounded_x(x: torch.Tensor, share: int = 1, pow2: bool = False) -> torch.Tensor:
+    """x as the int8-activation kernels round it: per 32 values (per 32 * share with x_runs), d = amax / 127
+    (pow2: rounded up to a power of two), q = round(x / d)."""
     m, k = x.shape
     runs = x.float().view(m, k // (32 * share), 32 * share)
     d = runs.abs().amax(-1, keepdim=True) / 127
+    if pow2:
+        mantissa, exponent = torch.frexp(d)  # d = mantissa 2^exponent, mantissa in [0.5, 1)
+        d = torch.where(mantissa == 0.5, d, torch.ldexp(torch.ones_like(d), exponent))
     inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), torch.zeros_like(d))
     return (torch.round(runs * inv).double() * d.double()).view(m, k)
 
@@ -104,6 +107,36 @@ def test_u8_gemm_x_runs_share_one_scale(x_runs, k, share, m):
     if share > 1:  # and not the per-32 rounding
         per32 = rounded_x(x) @ w8.t()
         assert (y.double() - per32).abs().max().item() / want.abs().max().item() > 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 7, 65])
+@pytest.mark.parametrize("n,k", [(17, 96), (100, 576), (33, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("x_runs,share", [(1, 1), (3, 3)])
+def test_u8_gemm_pow2_x_scales(m, n, k, threads, x_runs, share):
+    """pow2_x_scales: each scale of x rounded up to a power of two, applied by the tiles as an exponent
+    shift: the float64 product of those rounded operands (a run of zeros, a run whose scale is a power
+    of two already, a loud run), and not the per-32 float rounding."""
+    gen = torch.Generator().manual_seed(m * 7 + n * 13 + k + threads + x_runs)
+    w = torch.randn(n, k, generator=gen) * 0.05 - 0.02
+    x = torch.randn(m, k, generator=gen) * 3
+    x[:, :32] = 0.0
+    x[:, 32:96] = x[:, 32:96].clamp(-1.0, 1.0)
+    x[:, 40] = 127 * 2.0**-3  # that run's d = 2^-3 exactly (an amax of at most 1 elsewhere in it)
+    x[:, -1] *= 50.0
+    packed, step, offset = quant_linear.u8_pack_rows16(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = quant_linear.u8_linear_q8_gemm(x, packed, step, offset, n, x_runs, True)
+    finally:
+        torch.set_num_threads(before)
+    _, w8 = unpacked(packed, step, offset, n)
+    want = rounded_x(x, share, pow2=True) @ w8.t()
+    assert (y.double() - want).abs().max().item() / want.abs().max().item() < 1e-5
+    per_run = rounded_x(x, share) @ w8.t()
+    assert (y.double() - per_run).abs().max().item() / want.abs().max().item() > 1e-4
 
 
 @needs_kernels
@@ -178,10 +211,11 @@ def engine(model: str, **options) -> LLM:
 
 
 @needs_kernels
-@pytest.mark.parametrize("x_runs", [1, 4])
-def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_model, x_runs):
-    native = engine(tiny_model, quant_u8_gemm="on", quant_u8_gemm_x_runs=x_runs)
-    python = engine(tiny_model, quant_u8_gemm="on", native_decoder_loop=False, quant_u8_gemm_x_runs=x_runs)
+@pytest.mark.parametrize("x_runs,pow2", [(1, False), (4, False), (1, True)])
+def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_model, x_runs, pow2):
+    options = {"quant_u8_gemm": "on", "quant_u8_gemm_x_runs": x_runs, "quant_u8_gemm_pow2_x_scales": pow2}
+    native = engine(tiny_model, **options)
+    python = engine(tiny_model, native_decoder_loop=False, **options)
     if native.engine.model.loop is None:
         pytest.skip("the C++ layer loop does not build here")
     assert_loops_agree(native, python)
@@ -210,10 +244,13 @@ def test_a_bad_mode_is_a_clear_error(tiny_model):
 
 
 @needs_kernels
-def test_engine_passes_x_runs_to_each_layer(tiny_model):
+def test_engine_passes_x_runs_and_pow2_scales_to_each_layer(tiny_model):
     llm = engine(tiny_model, quant_u8_gemm="on", quant_u8_gemm_x_runs=4)
     layer = llm.engine.model.layers[0].down_proj
-    assert layer.u8_weight is not None and layer.u8_x_runs == 4
+    assert layer.u8_weight is not None and layer.u8_x_runs == 4 and not layer.u8_pow2_x_scales
+    llm = engine(tiny_model, quant_u8_gemm="on", quant_u8_gemm_pow2_x_scales=True)
+    layer = llm.engine.model.layers[0].down_proj
+    assert layer.u8_weight is not None and layer.u8_x_runs == 1 and layer.u8_pow2_x_scales
 
 
 def test_eval_ppl_checks_its_engine_options(capsys):
