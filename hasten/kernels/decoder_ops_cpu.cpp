@@ -26,6 +26,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename T>
@@ -136,7 +140,21 @@ void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   // out = x * cos + rotate_half(x) * sin, every product rounded to T_ before the sum
   auto rotate = [&](const T_* x, const T_* c, const T_* s, auto* out) {
     using O = std::remove_pointer_t<decltype(out)>;
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    // float32 in and out: the same products and sums on 16 lanes (a - x2 s is a + (-x2) s exactly;
+    // GCC left the loop scalar: ~0.3 us per token and layer at 9 + 3 heads of 64)
+    if constexpr (std::is_same_v<T_, float> && std::is_same_v<O, float>) {
+      for (; i + 16 <= half; i += 16) {
+        const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + i + half);
+        _mm512_storeu_ps(out + i, _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
+                                                _mm512_mul_ps(x2, _mm512_loadu_ps(s + i))));
+        _mm512_storeu_ps(out + i + half, _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + i + half)),
+                                                       _mm512_mul_ps(x1, _mm512_loadu_ps(s + i + half))));
+      }
+    }
+#endif
+    for (; i < half; ++i) {
       const T_ a = round_to<T_>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
       const T_ b = round_to<T_>(-static_cast<float>(x[i + half]) * static_cast<float>(s[i]));
       out[i] = static_cast<O>(static_cast<float>(round_to<T_>(static_cast<float>(a) + static_cast<float>(b))));
