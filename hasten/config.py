@@ -72,7 +72,7 @@ class EngineConfig:
     quant_u8_gemm: str = "auto"
     quant_u8_gemm_min_rows: int = 16
     # up to this many consecutive 32-runs of x share one int8 scale in those calls (1 .. 8; 1: per 32 values
-    # as every other int8-activation kernel): fewer int-to-float conversions per weight
+    # as every other int8-activation kernel): fewer int-to-float conversions and multiply-adds per weight
     quant_u8_gemm_x_runs: int = 1
     # each int8 scale of x in those calls rounded up to a power of two (the codes then span 64 .. 127
     # instead of 127), so that the kernel applies it as an exponent shift off the VNNI pipes

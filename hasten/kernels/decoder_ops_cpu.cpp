@@ -142,8 +142,8 @@ void rope_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     using O = std::remove_pointer_t<decltype(out)>;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    // float32 in and out: the same products and sums on 16 lanes (a - x2 s is a + (-x2) s exactly;
-    // GCC left the loop scalar: ~0.3 us per token and layer at 9 + 3 heads of 64)
+    // float32 in and out: the same products and sums on 16 lanes (a - x2 s is a + (-x2) s exactly).
+    // GCC left the loop scalar: 512 tokens of 9 + 3 heads of 64 took 157 us on 2 Zen 4 threads, 65 so
     if constexpr (std::is_same_v<T_, float> && std::is_same_v<O, float>) {
       for (; i + 16 <= half; i += 16) {
         const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + i + half);
