@@ -12,9 +12,9 @@
 // per-run weight scale or min, so per run and row of x only one conversion and one multiply-add
 // remain besides the integer work. With pow2 x scales (every d a power of two, quantize_x_q8's pow2)
 // that multiply-add becomes an exponent shift and an add (vscalefps, vaddps): on Zen 4 the VNNI
-// multiply-adds share their two pipes with the float multiplies and FMAs but not with the conversion,
-// scalef and add (a loop of 12 vpdpbusd + 3 FMAs runs at 12 / 15 of the pure VNNI rate; + 3 scalef
-// or 3 cvt at the full rate), so the epilogue no longer takes VNNI issue slots. The product of an
+// multiply-adds share their issue slots with the float multiplies and FMAs but not with the conversion,
+// scalef and add (benchmarks/vnni_ports.py: 12 vpdpbusd keep 0.80 of their rate beside 3 FMAs, the full
+// rate beside 3 or 6 scalef, cvt or add), so the epilogue no longer takes VNNI issue slots. The product of an
 // integer and a power of two is exact, so the result is the same as the multiply-add's.
 //
 // Layout: packed uint8 [N16, K / 4, 16, 4]: byte (nb, kb, r, j) is row 16 nb + r's code at run-order
