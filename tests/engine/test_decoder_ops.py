@@ -60,22 +60,28 @@ def test_rope_and_cache(dtype, tol, heads, kv_heads, head_dim, tokens):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 37), (2, 1, 48, 5), (3, 1, 128, 9), (2, 2, 8, 3)])
-def test_float32_rope_is_the_pytorch_rounding_bit_for_bit(heads, kv_heads, head_dim, tokens):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_float32_rope_is_the_pytorch_rounding_bit_for_bit(heads, kv_heads, head_dim, tokens, cache_dtype):
     """float32: q and k rotated with the same products and sums as apply_rope (the AVX-512 lanes and
-    the scalar tail for head_dim / 2 not a multiple of 16), into a float32 cache."""
+    the scalar tail for head_dim / 2 not a multiple of 16), into a float32 cache or rounded once into
+    a float16 one."""
     gen = torch.Generator().manual_seed(heads * 131 + head_dim + tokens)
     angles = torch.rand(64, head_dim // 2, generator=gen) * 6
     cos, sin = torch.cat([angles.cos(), angles.cos()], 1), torch.cat([angles.sin(), angles.sin()], 1)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 5
     positions = torch.randint(0, 64, (tokens,), generator=gen)
     slots = torch.randperm(4 * 16, generator=gen)[:tokens]
-    k_cache = torch.zeros(4, 16, kv_heads, head_dim)
+    qkv[0, -1] = 1e-6  # values below float16's normal range: in v, and a rotated pair of k
+    qkv[0, heads * head_dim], qkv[0, heads * head_dim + head_dim // 2] = 1e-6, -2e-6
+    k_cache = torch.zeros(4, 16, kv_heads, head_dim, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     q = ops.rope_and_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
     qk = qkv[:, : (heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim)
     rotated = apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     assert torch.equal(q, rotated[:, :heads])
-    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], rotated[:, heads:])
+    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[slots], rotated[:, heads:].to(cache_dtype))
+    v = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v.to(cache_dtype))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
