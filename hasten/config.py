@@ -128,7 +128,23 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**options)
+        switches = {f.name for f in fields(cls) if f.type in ("bool", bool)}
+        return cls(**{k: as_switch(k, v) if k in switches else v for k, v in options.items()})
+
+
+_SWITCH_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def as_switch(name: str, value: Any) -> bool:
+    """A boolean engine option from a bool, 0 / 1, or one of true/false, yes/no, on/off (any case): a
+    string such as "false" must not switch a feature on by being non-empty. TypeError otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS:
+        return _SWITCH_WORDS[value.strip().lower()]
+    raise TypeError(f"{name} must be True or False, not {value!r}")
 
 
 def parse_option_pairs(items: list[str], flag: str = "--engine-option") -> dict[str, Any]:

@@ -210,6 +210,15 @@ def check_engine_options(options: dict[str, Any], task: str) -> None:
         raise SystemExit(2)
 
 
+def switches_as_bools(options: dict[str, Any]) -> dict[str, Any]:
+    """options with every boolean engine option given as a bool (config.as_switch: 0 / 1, true/false,
+    yes/no, on/off); TypeError on any other value."""
+    from hasten.config import EngineConfig, as_switch
+
+    switches = {f.name for f in dataclasses.fields(EngineConfig) if f.type in ("bool", bool)}
+    return {k: as_switch(k, v) if k in switches else v for k, v in options.items()}
+
+
 def _usage_error(message: str) -> SystemExit:
     print(f"hasten serve: {message}", file=sys.stderr)
     return SystemExit(2)
@@ -311,8 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     options = engine_options(args)
     if args.engine_factory is None:
         check_engine_options(options, args.task)
-    if not isinstance(options.get("gc_freeze", True), bool):
-        raise _usage_error(f"gc_freeze must be True or False, not {options['gc_freeze']!r}")
+    try:  # "false" must not switch a feature on by being a non-empty string
+        options = switches_as_bools(options)
+    except TypeError as exc:
+        raise _usage_error(str(exc)) from None
     if args.task == "embed" and args.chat_template:
         raise _usage_error("--chat-template does not apply to --task embed")
     template = read_chat_template(args.chat_template)
