@@ -128,8 +128,7 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        switches = {f.name for f in fields(cls) if f.type in ("bool", bool)}
-        return cls(**{k: as_switch(k, v) if k in switches else v for k, v in options.items()})
+        return cls(**switches_as_bools(options))
 
 
 _SWITCH_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -145,6 +144,13 @@ def as_switch(name: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS:
         return _SWITCH_WORDS[value.strip().lower()]
     raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
+def switches_as_bools(options: dict[str, Any]) -> dict[str, Any]:
+    """options with every boolean EngineConfig option given as a bool (as_switch); TypeError on any
+    other value of one. The other options pass through unchanged."""
+    switches = {f.name for f in fields(EngineConfig) if f.type in ("bool", bool)}
+    return {k: as_switch(k, v) if k in switches else v for k, v in options.items()}
 
 
 def parse_option_pairs(items: list[str], flag: str = "--engine-option") -> dict[str, Any]:

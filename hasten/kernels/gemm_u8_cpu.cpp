@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "int4_common.h"
@@ -213,36 +214,37 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   constexpr int NW = 2;
   constexpr int64_t kPanel = 64;  // rows of x per panel: a panel stays in cache over a thread's blocks
   const int64_t tasks = (N16 + NW - 1) / NW;
-  at::parallel_for(0, tasks, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
-      const int64_t m1 = std::min(M, m0 + kPanel);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t nb = t * NW, cols = std::min<int64_t>(NW * kRows, N - nb * kRows);
-        const uint8_t* w = wp + nb * bytes;
-        auto call = [&](auto rows, auto blocks, int64_t m) {
-          constexpr int R = decltype(rows)::value, B = decltype(blocks)::value;
-          if (pow2_x_scales)
-            u8_tile<R, B, true>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, sp + nb * kRows,
-                                op + nb * kRows, yp + m * N + nb * kRows, N, cols, m == m0 && t + 1 < end ? NW * bytes : 0);
-          else
-            u8_tile<R, B, false>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, sp + nb * kRows, op + nb * kRows,
-                        yp + m * N + nb * kRows, N, cols, m == m0 && t + 1 < end ? NW * bytes : 0);
-        };
-        for (int64_t m = m0; m < m1;) {
-          const int64_t left = m1 - m;
-          auto with_rows = [&](auto rows) {
-            if (nb + 1 < N16) call(rows, std::integral_constant<int, 2>{}, m);
-            else call(rows, std::integral_constant<int, 1>{}, m);
-            m += decltype(rows)::value;
+  auto all_tiles = [&](auto pow2) {  // the scale kind as a type: one tile instantiation per call shape
+    at::parallel_for(0, tasks, 2, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
+        const int64_t m1 = std::min(M, m0 + kPanel);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t nb = t * NW, cols = std::min<int64_t>(NW * kRows, N - nb * kRows);
+          const uint8_t* w = wp + nb * bytes;
+          auto call = [&](auto rows, auto blocks, int64_t m) {
+            constexpr int R = decltype(rows)::value, B = decltype(blocks)::value;
+            u8_tile<R, B, decltype(pow2)::value>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes,
+                                                 sp + nb * kRows, op + nb * kRows, yp + m * N + nb * kRows, N, cols,
+                                                 m == m0 && t + 1 < end ? NW * bytes : 0);
           };
-          if (left >= 6) with_rows(std::integral_constant<int, 6>{});
-          else if (left >= 4) with_rows(std::integral_constant<int, 4>{});
-          else if (left >= 2) with_rows(std::integral_constant<int, 2>{});
-          else with_rows(std::integral_constant<int, 1>{});
+          for (int64_t m = m0; m < m1;) {
+            const int64_t left = m1 - m;
+            auto with_rows = [&](auto rows) {
+              if (nb + 1 < N16) call(rows, std::integral_constant<int, 2>{}, m);
+              else call(rows, std::integral_constant<int, 1>{}, m);
+              m += decltype(rows)::value;
+            };
+            if (left >= 6) with_rows(std::integral_constant<int, 6>{});
+            else if (left >= 4) with_rows(std::integral_constant<int, 4>{});
+            else if (left >= 2) with_rows(std::integral_constant<int, 2>{});
+            else with_rows(std::integral_constant<int, 1>{});
+          }
         }
       }
-    }
-  });
+    });
+  };
+  if (pow2_x_scales) all_tiles(std::true_type{});
+  else all_tiles(std::false_type{});
 #else
   at::parallel_for(0, N16, 4, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb)

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from hasten.config import parse_option_pairs
+from hasten.config import parse_option_pairs, switches_as_bools
 from hasten.server.auth import API_KEY_ENV
 from hasten.server.grammar_limits import StructuredLimits
 from hasten.server.limits import HTTPLimits
@@ -208,15 +208,6 @@ def check_engine_options(options: dict[str, Any], task: str) -> None:
               f"{' for --task embed' if task == 'embed' else ''}; valid options: {', '.join(sorted(known))}",
               file=sys.stderr)
         raise SystemExit(2)
-
-
-def switches_as_bools(options: dict[str, Any]) -> dict[str, Any]:
-    """options with every boolean engine option given as a bool (config.as_switch: 0 / 1, true/false,
-    yes/no, on/off); TypeError on any other value."""
-    from hasten.config import EngineConfig, as_switch
-
-    switches = {f.name for f in dataclasses.fields(EngineConfig) if f.type in ("bool", bool)}
-    return {k: as_switch(k, v) if k in switches else v for k, v in options.items()}
 
 
 def _usage_error(message: str) -> SystemExit:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hasten.config import EngineConfig, as_switch, parse_option_pairs
-from hasten.server.cli import switches_as_bools
+from hasten.config import EngineConfig, as_switch, parse_option_pairs, switches_as_bools
 
 
 @pytest.mark.parametrize("raw,want", [("True", True), ("False", False), ("true", True), ("false", False),
