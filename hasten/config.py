@@ -66,6 +66,9 @@ class EngineConfig:
     # weight (+2 bytes per weight): auto = on where the CPU has AMX tiles | on | off
     quant_bf16_gemm: str = "auto"
     quant_bf16_gemm_min_rows: int = 32  # rows of x from which a quantized layer takes the bfloat16 path
+    # those calls on hasten's AMX tile kernel over a copy kept in tile order (bf16_tiles_linear) where the
+    # build, CPU and shape allow; False: oneDNN's GEMM over a row-major copy (reordered on every call)
+    quant_bf16_gemm_tiles: bool = True
     # wide calls of 4-bit int8-activation layers (GGUF Q4 blocks) over an 8-bit-per-row copy of each
     # weight (+1 byte per weight; u8_linear_q8_gemm, no nibble unpacking or per-32 weight scales), where
     # the bfloat16 path does not take them: auto = on where the kernels have its AVX-512 VNNI tiles | on | off

@@ -89,8 +89,7 @@ class ShardQuantFactory:
                                  "input columns; pick a smaller quant_group_size or tensor-parallel size")
             qw = quantize_int4(weight, group, o.symmetric)
         qw.bias = bias
-        return make_layer(qw, o.max_kernel_rows, o.int4_kernel, o.int8_kernel, q8_gemm=o.q8_gemm,
-                          bf16_gemm=o.bf16_gemm, bf16_gemm_min_rows=o.bf16_gemm_min_rows, **o.u8_options())
+        return make_layer(qw, o.max_kernel_rows, o.int4_kernel, o.int8_kernel, q8_gemm=o.q8_gemm, **o.wide_options())
 
 
 class ParallelDecoder(Decoder):

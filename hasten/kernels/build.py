@@ -99,7 +99,7 @@ def _clear_stale_lock(lock: Path) -> None:
 CPU_KERNELS = Extension(
     "hasten_cpu_kernels",
     ("quant_linear_cpu.cpp", "quant_linear_q8_cpu.cpp", "quant_gemm_q8_cpu.cpp", "paged_attention_cpu.cpp",
-     "gemm_u8_cpu.cpp", "decoder_ops_cpu.cpp", "decoder_loop_cpu.cpp"),
+     "gemm_u8_cpu.cpp", "gemm_bf16_amx_cpu.cpp", "decoder_ops_cpu.cpp", "decoder_loop_cpu.cpp"),
     ("-ffp-contract=off",),
     headers=("float_tiles.h", "int4_common.h", "attention_math.h", "attention_int8_scores.h", "cpu_kernels.h"),
 )

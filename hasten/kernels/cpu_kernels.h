@@ -33,6 +33,10 @@ std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight);
 at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
                              const at::Tensor& offset, int64_t N, int64_t x_runs = 1, bool pow2_x_scales = false);
 bool u8_gemm_has_tiles();
+// gemm_bf16_amx_cpu.cpp: the wide bfloat16 GEMM on AMX tiles over a tile-ordered copy of a weight
+at::Tensor bf16_tiles_pack(const at::Tensor& weight);
+at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed);
+bool bf16_tiles_available();
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;
 // wide_rows > 0: sequences with that many new tokens in bfloat16 SDPA; int8_rows > 0: sequences with

@@ -58,7 +58,8 @@ struct Linear {
     if (inv_input_scale) x = x * inv_input_scale->to(x.scalar_type());
     at::Tensor y;
     if (takes_bf16(x.size(0))) {
-      y = at::linear(x.to(at::kBFloat16), *bf16_weight).to(x.scalar_type());
+      y = bf16_weight->dim() == 5 ? bf16_tiles_linear(x.contiguous(), *bf16_weight)
+                                  : at::linear(x.to(at::kBFloat16), *bf16_weight).to(x.scalar_type());
       if (bias) y += bias->to(y.scalar_type());
       return y;
     }
@@ -139,8 +140,9 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
   l.gemm_min_rows = gemm_min_rows;
   l.out_features = out_features;
   TORCH_CHECK(l.kind != LinearKind::kInt8G || out_features > 0, "an int8g linear needs out_features");
-  TORCH_CHECK(!bf16_weight || (bf16_weight->scalar_type() == at::kBFloat16 && bf16_weight->dim() == 2 && bf16_min_rows >= 1),
-              "bf16_weight: a 2-D bfloat16 tensor, with bf16_min_rows >= 1");
+  TORCH_CHECK(!bf16_weight || (bf16_weight->scalar_type() == at::kBFloat16 &&
+                                (bf16_weight->dim() == 2 || bf16_weight->dim() == 5) && bf16_min_rows >= 1),
+              "bf16_weight: a 2-D bfloat16 tensor or bf16_tiles_pack's 5-D one, with bf16_min_rows >= 1");
   l.bf16_weight = std::move(bf16_weight);
   l.bf16_min_rows = bf16_min_rows;
   TORCH_CHECK(!u8_weight || (u8_weight->size() == 3 && u8_min_rows >= 1 && out_features > 0),
@@ -323,6 +325,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x_runs") = 1, arg("pow2_x_scales") = false,
         "y = x W^T over u8_pack_rows16's layout, x rounded to int8 per 32 values (x_runs > 1: up to that many "
         "consecutive 32-runs share one scale; pow2_x_scales: each scale rounded up to a power of two)");
+  m.def("bf16_tiles_pack", &bf16_tiles_pack, nogil, "a weight [N, K] as bfloat16 in AMX tile order (bf16_tiles_linear's layout)");
+  m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil, arg("x"), arg("packed"),
+        "y = x W^T with x rounded to bfloat16, over bf16_tiles_pack's layout, on AMX tiles (float32 sums)");
+  m.def("bf16_tiles_available", &bf16_tiles_available, "whether this build and CPU run bf16_tiles_linear (AMX-BF16)");
   m.def("u8_gemm_has_tiles", &u8_gemm_has_tiles, "whether this build has the AVX-512 VNNI tiles of u8_linear_q8_gemm");
   m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
   m.def("int8_pack_rows8", &int8_pack_rows8, nogil, "int8 weight and row scales -> the layout of int8_linear_q8_gemm");

@@ -136,3 +136,25 @@ def u8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, step: torch.Tensor,
     two, which the AVX-512 tiles apply as an exponent shift instead of a multiply-add."""
     return _module().u8_linear_q8_gemm(x, packed, step, offset, n, x_runs, pow2_x_scales)
 
+
+
+def bf16_tiles_available() -> bool:
+    """Whether this build and CPU run bf16_tiles_linear (AMX-BF16 tiles; the OS grants the tile state)."""
+    mod = load()
+    return mod is not None and bool(mod.bf16_tiles_available())
+
+
+def bf16_tiles_fit(n: int, k: int) -> bool:
+    """Whether a weight [n, k] takes bf16_tiles_pack's layout (16 outputs by 32 k per tile)."""
+    return n > 0 and k > 0 and n % 16 == 0 and k % 32 == 0
+
+
+def bf16_tiles_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (N a multiple of 16, K of 32) as bfloat16 in AMX tile order: [N/16, K/32, 16, 16, 2],
+    element (nb, kb, p, c, e) = w[16 nb + c, 32 kb + 2 p + e] (gemm_bf16_amx_cpu.cpp)."""
+    return _module().bf16_tiles_pack(weight)
+
+
+def bf16_tiles_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = bf16(x) W^T over bf16_tiles_pack's layout on AMX tiles, float32 sums (float32 x and y)."""
+    return _module().bf16_tiles_linear(x, packed)

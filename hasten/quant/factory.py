@@ -54,6 +54,7 @@ class QuantOptions:
     u8_gemm_min_rows: int = 16
     u8_gemm_x_runs: int = 1  # 32-runs of x per int8 scale in those calls (QuantLinear.enable_u8_gemm)
     u8_gemm_pow2_x_scales: bool = False  # those scales rounded up to powers of two (QuantLinear.enable_u8_gemm)
+    bf16_gemm_tiles: bool = True  # the bfloat16 path on hasten's AMX tiles where it can (QuantLinear.enable_bf16_gemm)
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
     calib_seq_len: int = 256
@@ -91,19 +92,21 @@ class QuantOptions:
             u8_gemm_min_rows=int(getattr(config, "quant_u8_gemm_min_rows", 16)),
             u8_gemm_x_runs=int(getattr(config, "quant_u8_gemm_x_runs", 1)),
             u8_gemm_pow2_x_scales=bool(getattr(config, "quant_u8_gemm_pow2_x_scales", False)),
+            bf16_gemm_tiles=bool(getattr(config, "quant_bf16_gemm_tiles", True)),
             dtype=dtype,
         )
 
-    def u8_options(self) -> dict:
-        """make_layer's keyword arguments for the 8-bit wide-call path."""
-        return {"u8_gemm": self.u8_gemm, "u8_gemm_min_rows": self.u8_gemm_min_rows, "u8_gemm_x_runs": self.u8_gemm_x_runs,
-                "u8_gemm_pow2_x_scales": self.u8_gemm_pow2_x_scales}
+    def wide_options(self) -> dict:
+        """make_layer's keyword arguments for the wide-call paths (bfloat16 and 8-bit)."""
+        return {"bf16_gemm": self.bf16_gemm, "bf16_gemm_min_rows": self.bf16_gemm_min_rows,
+                "bf16_gemm_tiles": self.bf16_gemm_tiles, "u8_gemm": self.u8_gemm, "u8_gemm_min_rows": self.u8_gemm_min_rows,
+                "u8_gemm_x_runs": self.u8_gemm_x_runs, "u8_gemm_pow2_x_scales": self.u8_gemm_pow2_x_scales}
 
     def key(self) -> dict:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
         for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm", "bf16_gemm", "bf16_gemm_min_rows",
-                  "u8_gemm", "u8_gemm_min_rows", "u8_gemm_x_runs", "u8_gemm_pow2_x_scales"):
+                  "bf16_gemm_tiles", "u8_gemm", "u8_gemm_min_rows", "u8_gemm_x_runs", "u8_gemm_pow2_x_scales"):
             d.pop(k)
         if self.mode == "int8":
             d.pop("group_size")
@@ -224,8 +227,7 @@ class QuantizingFactory:
             layer = self.layers[name] = self.layer_maker(qw)
             return layer
         layer = make_layer(qw, self.opts.max_kernel_rows, self.opts.int4_kernel, self.opts.int8_kernel,
-                           q8_gemm=self.opts.q8_gemm, bf16_gemm=self.opts.bf16_gemm,
-                           bf16_gemm_min_rows=self.opts.bf16_gemm_min_rows, **self.opts.u8_options())
+                           q8_gemm=self.opts.q8_gemm, **self.opts.wide_options())
         self.layers[name] = layer
         return layer
 
@@ -270,7 +272,6 @@ def linear_factory_for(config, model_folder: Path,
         from hasten.quant.gguf_blocks import GGUFLinearFactory, gguf_source
 
         return GGUFLinearFactory(gguf_source(folder), opts.max_kernel_rows, opts.quantize_lm_head, opts.int4_kernel,
-                                 opts.int8_kernel, opts.q8_gemm, bf16_gemm=opts.bf16_gemm,
-                                 bf16_gemm_min_rows=opts.bf16_gemm_min_rows, layer_maker=layer_maker,
-                                 u8=opts.u8_options())
+                                 opts.int8_kernel, opts.q8_gemm, layer_maker=layer_maker,
+                                 wide=opts.wide_options())
     return QuantizingFactory(opts, folder, layer_maker=layer_maker)

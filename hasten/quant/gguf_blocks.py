@@ -143,14 +143,14 @@ class GGUFLinearFactory:
 
     def __init__(
         self, gguf_path: Path, max_kernel_rows: int = 32, quantize_lm_head: bool = True, int4_kernel: str = "auto",
-        int8_kernel: str = "auto", q8_gemm: bool = True, q8_0: str = "grouped", bf16_gemm: str = "off",
-        bf16_gemm_min_rows: int = 32, layer_maker: Callable[[QuantizedWeight | GroupedInt8Weight], LinearLayer]
-        | None = None, u8: dict | None = None,
+        int8_kernel: str = "auto", q8_gemm: bool = True, q8_0: str = "grouped",
+        layer_maker: Callable[[QuantizedWeight | GroupedInt8Weight], LinearLayer] | None = None,
+        wide: dict | None = None,
     ):
         """q8_0: "grouped" serves Q8_0 blocks as they are (a scale per 32 weights); "row" re-scales
         them per output row for the per-channel int8 kernel (one rounding, a little less memory).
-        bf16_gemm, bf16_gemm_min_rows; u8 (make_layer's u8_* keywords, QuantOptions.u8_options): the
-        wide-call paths (see make_layer)."""
+        wide (make_layer's bf16_gemm* and u8_gemm* keywords, QuantOptions.wide_options): the wide-call
+        paths (see make_layer); none given: neither."""
         from gguf import GGUFReader
 
         self.path = gguf_path
@@ -163,9 +163,7 @@ class GGUFLinearFactory:
         self.int4_kernel = int4_kernel
         self.int8_kernel = int8_kernel
         self.q8_gemm = q8_gemm
-        self.bf16_gemm = bf16_gemm
-        self.bf16_gemm_min_rows = bf16_gemm_min_rows
-        self.u8 = dict(u8 or {})
+        self.wide = dict(wide or {})
         if q8_0 not in ("grouped", "row"):
             raise ValueError(f"q8_0 must be 'grouped' or 'row', got {q8_0!r}")
         self.q8_0 = q8_0
@@ -235,7 +233,7 @@ class GGUFLinearFactory:
         if self.layer_maker is not None:
             return self.layer_maker(qw)
         return make_layer(qw, self.max_kernel_rows, self.int4_kernel, self.int8_kernel, INT4_AUTO_GGUF, self.q8_gemm,
-                          INT8_AUTO_GGUF, self.bf16_gemm, self.bf16_gemm_min_rows, **self.u8)
+                          INT8_AUTO_GGUF, **self.wide)
 
 
 def gguf_source(folder: Path) -> Path:

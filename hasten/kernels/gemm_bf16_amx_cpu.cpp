@@ -1,0 +1,164 @@
+// The wide bfloat16 GEMM on AMX tiles (bf16_tiles_linear): prefill chunks and wide decode batches of a
+// quantized layer with quant_bf16_gemm, over a bfloat16 copy of its weight packed once into tile order.
+//
+// oneDNN's GEMM behind at::linear takes the row-major bfloat16 weight and reorders it for its AMX kernel
+// on every call (the default model's gate_up weight is 3.5 MB: more than a core's L2). Here the weight is
+// stored in the order the tiles load it, so a call only converts x to bfloat16 and runs the tiles:
+//     y[m][n] = sum_k bf16(x[m][k]) * w[n][k]   (float32 sums in the tiles, as oneDNN's)
+//
+// Layout (bf16_tiles_pack): bfloat16 [N / 16, K / 32, 16, 16, 2]: element (nb, kb, p, c, e) is
+// w[16 nb + c][32 kb + 2 p + e], so that one 1 KB tile load (16 rows of 64 bytes) is the B operand of
+// TDPBF16PS for 16 outputs and 32 k. x goes to a bfloat16 copy with its rows padded with zeros to a
+// multiple of 32; each thread takes pairs of 16-output blocks and runs every 32 rows of x against
+// them (2 x 2 tiles of 16 x 16 float32 sums: tmm0-3; x in tmm4-5; the weight in tmm6-7), so that a
+// pair's 2 x K weight tiles stay in L1 while x streams from L2.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HASTEN_AMX_BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;  // rows of x per tile, and outputs per weight tile
+constexpr int64_t kTileK = 32;     // k per tile (64 bytes of bfloat16)
+
+#if defined(HASTEN_AMX_BF16)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands a process the AMX tile state only after it asks for it (arch_prctl); the CPU must
+// have AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22).
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// every tile 16 rows of 64 bytes (C: 16 float32 sums per row; x: 32 bfloat16; weight: 16 pairs per row)
+void configure_tiles() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 32 rows of x (xb, row stride x_stride bytes) against NB weight blocks of 16 outputs (w0, w1: their
+// K / 32 tiles in a row) -> y (row stride y_stride bytes)
+template <int NB>
+void tile_block(const at::BFloat16* xb, int64_t x_stride, const at::BFloat16* w0, const at::BFloat16* w1,
+                int64_t k_tiles, float* y, int64_t y_stride) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NB == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const char* x0 = reinterpret_cast<const char*>(xb);
+  const char* x1 = x0 + kTileRows * x_stride;
+  for (int64_t kb = 0; kb < k_tiles; ++kb) {
+    _tile_loadd(4, x0 + kb * 64, x_stride);
+    _tile_loadd(5, x1 + kb * 64, x_stride);
+    _tile_loadd(6, w0 + kb * kTileRows * kTileK, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, w1 + kb * kTileRows * kTileK, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  char* y0 = reinterpret_cast<char*>(y);
+  _tile_stored(0, y0, y_stride);
+  _tile_stored(1, y0 + kTileRows * y_stride, y_stride);
+  if constexpr (NB == 2) {
+    _tile_stored(2, y0 + 64, y_stride);
+    _tile_stored(3, y0 + 64 + kTileRows * y_stride, y_stride);
+  }
+}
+#endif
+
+}  // namespace
+
+bool bf16_tiles_available() {
+#if defined(HASTEN_AMX_BF16)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_tiles_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "bf16_tiles_pack: a 2-D weight [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n > 0 && n % kTileRows == 0 && k > 0 && k % kTileK == 0,
+              "bf16_tiles_pack: N a multiple of 16 and K of 32, got [", n, ", ", k, "]");
+  return weight.to(at::kBFloat16)
+      .reshape({n / kTileRows, kTileRows, k / kTileK, kTileK / 2, 2})
+      .permute({0, 2, 3, 1, 4})
+      .contiguous();
+}
+
+at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
+                  packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
+              "bf16_tiles_linear: packed is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor");
+  const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1);
+  const int64_t n = n_blocks * kTileRows, k = k_tiles * kTileK;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "bf16_tiles_linear: x [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16_tiles_linear: float32 x");
+  const int64_t m = x.size(0);
+#if defined(HASTEN_AMX_BF16)
+  TORCH_CHECK(amx_ready(), "bf16_tiles_linear: this CPU (or the OS) offers no AMX bfloat16 tiles");
+  const int64_t m_pad = (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  at::Tensor xb = at::empty({m_pad, k}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, m).copy_(x);
+  if (m_pad > m) xb.narrow(0, m, m_pad - m).zero_();
+  at::Tensor y = at::empty({m_pad, n}, x.options());
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  const int64_t x_stride = k * 2, y_stride = n * 4, block = k_tiles * kTileRows * kTileK;
+  const int64_t pairs = (n_blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t nb = 2 * pair;
+      const at::BFloat16* w0 = wp + nb * block;
+      for (int64_t r = 0; r < m_pad; r += 2 * kTileRows) {
+        float* yr = yp + r * n + nb * kTileRows;
+        if (nb + 1 < n_blocks)
+          tile_block<2>(xp + r * k, x_stride, w0, w0 + block, k_tiles, yr, y_stride);
+        else
+          tile_block<1>(xp + r * k, x_stride, w0, nullptr, k_tiles, yr, y_stride);
+      }
+    }
+    _tile_release();
+  });
+  return y.narrow(0, 0, m);
+#else
+  TORCH_CHECK(false, "bf16_tiles_linear: this build has no AMX bfloat16 tiles");
+  return at::Tensor();
+#endif
+}
