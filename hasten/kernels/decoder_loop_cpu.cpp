@@ -32,7 +32,8 @@ struct Linear {
   int64_t out_features = 0;  // int8g: N (the packed layout rounds it up to a multiple of 8)
   int64_t gemm_min_rows = 2;  // int4: rows from which the blocked GEMM path runs (Int4HastenLinear's)
   // QuantLinear.enable_bf16_gemm: from bf16_min_rows rows of x on, x in bfloat16 times this bfloat16
-  // copy of the weight (at::linear: oneDNN, AMX tiles where the CPU has them); a python linear keeps
+  // copy of the weight (5-D: bf16_tiles_pack's tile order, hasten's AMX kernel bf16_tiles_linear; 2-D:
+  // row-major, at::linear, i.e. oneDNN); a python linear keeps
   // it only to tell the loop which rows it takes in bfloat16 (the callable does the multiply)
   std::optional<at::Tensor> bf16_weight;
   int64_t bf16_min_rows = 0;
