@@ -55,14 +55,13 @@ def main() -> None:
     weights = [(n, k, (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
                for _ in range(args.layers) for n, k in SHAPES]
     tiles = [quant_linear.bf16_tiles_pack(w) for _, _, w in weights]
-    rows_list = (32, 128, 256, 512)
-    packed = {rows: [torch.ops.mkldnn._reorder_linear_weight(w, rows) for _, _, w in weights] for rows in rows_list}
     print(f"{args.layers} layers x {len(SHAPES)} projections, {args.threads} threads, GMAC/s (best of {args.rounds})")
     print(f"{'rows':>5} {'tiles':>8} {'onednn':>8} {'packed':>8} {'tiles/onednn':>13}")
-    for rows in rows_list:
+    for rows in (32, 128, 256, 512):
         xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         macs = rows * sum(n * k for n, k, _ in weights)
-        runs = calls(weights, tiles, packed[rows], xs)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for _, _, w in weights]  # for this row count
+        runs = calls(weights, tiles, packed, xs)
         best = {name: float("inf") for name in runs}
         for _ in range(args.rounds):
             for name, fn in runs.items():

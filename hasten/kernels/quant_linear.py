@@ -137,7 +137,6 @@ def u8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, step: torch.Tensor,
     return _module().u8_linear_q8_gemm(x, packed, step, offset, n, x_runs, pow2_x_scales)
 
 
-
 def bf16_tiles_available() -> bool:
     """Whether this build and CPU run bf16_tiles_linear (AMX-BF16 tiles; the OS grants the tile state)."""
     mod = load()
