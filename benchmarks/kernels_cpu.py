@@ -1,13 +1,14 @@
 """hasten's C++ CPU kernels against the PyTorch paths they replace, side by side, with ratios.
 
-    python benchmarks/kernels_cpu.py [--threads 2] [--repeats 5] [--skip-engine]
+    python benchmarks/kernels_cpu.py [--threads 2] [--repeats 5] [--skip-engine] [--int8-attention-only]
 
 1. paged attention, 64 decode sequences (contexts 32-700, SmolLM2 heads: 9 q / 3 kv, D=64,
    blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA, and the
    kernel over a float16 copy of the cache (kv_cache_dtype=float16);
 2. one 512-token causal prefill: kernel vs SDPA; a 256-token prefill over 30 layers of an int8
    cache (kv_cache_dtype=int8), and a second 256-token chunk after it: the float path vs
-   attention_int8_scores (q rounded to int8, VNNI) vs that with attention_bf16_pv (AVX512-BF16);
+   attention_int8_scores (q rounded to int8, VNNI) vs that with attention_bf16_pv (AVX512-BF16) vs
+   that on AMX tiles (attention_amx: AMX-INT8 scores, AMX-BF16 P V);
 3. SiLU-multiply of a 512-token step over 30 layers (512 x 2 x 1536): the C++ op with its vectorized
    exp (fast=True, what int8-activation layers get) vs the exact op vs F.silu(gate) * up;
 4. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
@@ -88,7 +89,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict[tuple[int, str], float] | None:
     """ms for one n-token prefill's attention over `layers` layers of an int8 cache, then of a second
     n-token chunk after it (2n keys): float path, int8 scores, int8 scores with bfloat16 P V (where the
-    build has it), keyed by (keys, path); None where this build has no int8-score path (no AVX-512 VNNI)."""
+    build has it), on AMX tiles (where the CPU has them), keyed by (keys, path); None where this build has no int8-score path (no AVX-512 VNNI)."""
     from hasten.kernels import cpu_attention
 
     if not cpu_attention.int8_scores_available():
@@ -97,6 +98,8 @@ def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict
     modes = {"float": {}, "int8 scores": {"int8_rows": 16}}
     if cpu_attention.bf16_pv_available():
         modes["int8 scores + bf16 P V"] = {"int8_rows": 16, "int8_bf16_pv": True}
+    if cpu_attention.amx_attention_available():
+        modes["AMX tiles"] = {"int8_rows": 16, "int8_bf16_pv": True, "int8_tiles": True}
     out: dict[tuple[int, str], float] = {}
     for ctx in (n, 2 * n):
         tables = torch.arange(ctx // bs, dtype=torch.int32).view(1, -1)
@@ -170,27 +173,35 @@ def engine_batch1(repeats: int) -> dict[str, float]:
     return rates
 
 
+def print_int8_attention(repeats: int) -> None:
+    int8 = attention_prefill_int8(repeats)
+    if int8 is None:
+        print("attention, int8 cache, 256-token prefill: no int8-score path in this build (AVX-512 VNNI)")
+    else:
+        print("attention, int8 cache, 256 new tokens over 256 / 512 keys, 30 layers: " + "  ".join(
+            f"{name}, {keys} keys {ms:6.2f} ms ({int8[keys, 'float'] / ms:4.2f}x)" for (keys, name), ms in int8.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--int8-attention-only", action="store_true", help="part 2's int8-cache prefill only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads={torch.get_num_threads()}  (best of {args.repeats}; ratio = PyTorch path / hasten kernel)")
+    if args.int8_attention_only:
+        print_int8_attention(args.repeats)
+        return
     kernel, sdpa, half = attention_decode(args.repeats)
     print(f"attention, 64 decode seqs, one layer : kernel {kernel:7.2f} ms  gather+SDPA {sdpa:7.2f} ms  "
           f"ratio {sdpa / kernel:5.2f}x;  float16 cache {half:7.2f} ms ({kernel / half:4.2f}x the float32 cache)")
     kernel, sdpa = attention_prefill(args.repeats)
     print(f"attention, 512-token prefill, 1 layer: kernel {kernel:7.2f} ms  SDPA        {sdpa:7.2f} ms  "
           f"ratio {sdpa / kernel:5.2f}x")
-    int8 = attention_prefill_int8(args.repeats)
-    if int8 is None:
-        print("attention, int8 cache, 256-token prefill: no int8-score path in this build (AVX-512 VNNI)")
-    else:
-        print("attention, int8 cache, 256 new tokens over 256 / 512 keys, 30 layers: " + "  ".join(
-            f"{name}, {keys} keys {ms:6.2f} ms ({int8[keys, 'float'] / ms:4.2f}x)" for (keys, name), ms in int8.items()))
+    print_int8_attention(args.repeats)
     t = silu_mul_step(args.repeats)
     print(f"SiLU-multiply, 512 x 1536, 30 layers   : fast {t['fast']:6.2f} ms  exact {t['exact']:6.2f} ms  "
           f"PyTorch {t['torch']:6.2f} ms  ratio PyTorch/fast {t['torch'] / t['fast']:4.2f}x")

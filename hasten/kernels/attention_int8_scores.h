@@ -292,48 +292,6 @@ inline void attend_int8_rows(const uint8_t* const* qc, const float* sq, const in
   attend_int8_rows_as<false>(qc, sq, last, rows, D, unit_base, unit_stride, out);
 }
 
-// Query tokens [q_begin, q_end) of sequence `seq` (n new tokens, context ctx; q [T, H, D], rows of
-// sequence seq from q0) for kv heads [head_begin, head_end), over the sequence's packed units
-// (`units`: KVH runs of `count` units each). Writes the rows' outputs to out [T, H * D].
-template <typename scalar_t>
-void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int64_t q_begin, int64_t q_end,
-                      int64_t head_begin, int64_t head_end, int64_t H, int64_t G, int64_t D, float scale,
-                      bool bf16_pv, const uint8_t* units, int64_t count, scalar_t* out) {
-  const int64_t rows = (q_end - q_begin) * G, ub = int8_unit_bytes(D, bf16_pv);
-  // per-thread buffers, reused from item to item (no allocation or zero fill per item)
-  thread_local std::vector<uint8_t> codes;
-  thread_local std::vector<float> sq, res;
-  thread_local std::vector<int64_t> last;
-  thread_local std::vector<const uint8_t*> qc;
-  thread_local std::vector<float*> dst;
-  if (static_cast<int64_t>(sq.size()) < rows) {
-    sq.resize(rows);
-    last.resize(rows);
-    qc.resize(rows);
-    dst.resize(rows);
-  }
-  if (static_cast<int64_t>(codes.size()) < rows * D) {
-    codes.resize(rows * D);
-    res.resize(rows * D);
-  }
-  for (int64_t h = head_begin; h < head_end; ++h) {
-    for (int64_t t = 0; t < q_end - q_begin; ++t) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = t * G + g;
-        sq[r] = quantize_query_u8(q + ((q0 + q_begin + t) * H + h * G + g) * D, scale, D, codes.data() + r * D);
-        qc[r] = codes.data() + r * D;
-        last[r] = ctx - n + q_begin + t;
-        dst[r] = res.data() + r * D;
-      }
-    }
-    attend_int8_rows(qc.data(), sq.data(), last.data(), rows, D, bf16_pv, units + h * count * ub, ub, dst.data());
-    for (int64_t t = 0; t < q_end - q_begin; ++t) {
-      scalar_t* o = out + ((q0 + q_begin + t) * H + h * G) * D;
-      const float* r = res.data() + t * G * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<scalar_t>(r[i]);
-    }
-  }
-}
 #endif
 
 }  // namespace

@@ -35,6 +35,7 @@ def paged_attention(
     wide_rows: int = 0,
     int8_rows: int = 0,
     int8_bf16_pv: bool = False,
+    int8_tiles: bool = False,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -50,12 +51,20 @@ def paged_attention(
     (one absmax scale) and its scores taken as integer dot products with the key codes
     (attention_int8_scores.h); elsewhere it is ignored. int8_bf16_pv: those sequences' softmax weights,
     times the value scales, are rounded to bfloat16 and P V taken as bfloat16 dot products with the
-    value codes (AVX512-BF16 builds; elsewhere ignored)."""
+    value codes (AVX512-BF16 builds; elsewhere ignored). int8_tiles: those sequences on AMX tiles
+    (attention_amx.h: TDPBUSD scores, TDPBF16PS P V with the weights of int8_bf16_pv, which it implies;
+    head_dim 64 or 128, a CPU with AMX-INT8 and AMX-BF16; elsewhere ignored)."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                               window, softcap, wide_rows, int8_rows, int8_bf16_pv)
+                               window, softcap, wide_rows, int8_rows, int8_bf16_pv, int8_tiles)
+
+
+def amx_attention_available() -> bool:
+    """Whether this build and CPU take paged_attention's int8_tiles (AMX-INT8 and AMX-BF16)."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.attention_amx_available())
 
 
 def bf16_pv_available() -> bool:

@@ -248,7 +248,7 @@ class DecoderLoop {
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], picked ? (*rows)[1] : block_tables,
                                         picked ? (*rows)[2] : query_start, picked ? (*rows)[3] : context_lens, scale_, 8,
                                         attention_group_, lw.window, 0.0, wide_attention_rows_, int8_attention_rows_,
-                                        bf16_pv_);
+                                        bf16_pv_, int8_tiles_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -279,6 +279,9 @@ class DecoderLoop {
   // paged_attention's int8_bf16_pv: those sequences' P V in bfloat16 dot products
   void set_bf16_pv(bool on) { bf16_pv_ = on; }
 
+  // paged_attention's int8_tiles: those sequences on AMX tiles
+  void set_int8_tiles(bool on) { int8_tiles_ = on; }
+
   // silu_mul's vectorized exp (~2 ulp) for every call whose down projection rounds its input anyway
   void set_fast_silu(bool on) { fast_silu_ = on; }
 
@@ -307,6 +310,7 @@ class DecoderLoop {
   int64_t int8_attention_rows_ = 0;
   bool fast_silu_ = false;
   bool bf16_pv_ = false;
+  bool int8_tiles_ = false;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
 };
@@ -348,9 +352,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
         arg("window") = 0, arg("softcap") = 0.0, arg("wide_rows") = 0, arg("int8_rows") = 0,
-        arg("int8_bf16_pv") = false, "Paged attention over a block pool (CPU)");
+        arg("int8_bf16_pv") = false, arg("int8_tiles") = false, "Paged attention over a block pool (CPU)");
   m.def("attention_int8_has_tiles", &attention_int8_has_tiles,
         "whether this build scores prefill rows over an int8 cache with AVX-512 VNNI (paged_attention's int8_rows)");
+  m.def("attention_amx_available", &attention_amx_available,
+        "whether this build and CPU take int8_rows on AMX tiles (paged_attention's int8_tiles)");
   m.def("attention_bf16_pv_has_tiles", &attention_bf16_pv_has_tiles,
         "whether this build takes int8_rows' P V in AVX512-BF16 dot products (paged_attention's int8_bf16_pv)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row");
@@ -388,6 +394,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "sequences with this many new tokens score in int8 over an int8 cache (paged_attention's int8_rows; 0: off)")
       .def("set_bf16_pv", &DecoderLoop::set_bf16_pv,
            "P V of the int8-scored sequences in bfloat16 dot products (paged_attention's int8_bf16_pv)")
+      .def("set_int8_tiles", &DecoderLoop::set_int8_tiles,
+           "the int8-scored sequences on AMX tiles (paged_attention's int8_tiles)")
       .def("set_fast_silu", &DecoderLoop::set_fast_silu,
            "SiLU with the vectorized exp where the down projection rounds its input (int8 / bfloat16 x)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")

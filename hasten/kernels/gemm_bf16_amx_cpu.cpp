@@ -18,11 +18,9 @@
 
 #include <cstdint>
 
+#include "amx_tiles.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HASTEN_AMX_BF16 1
 #endif
 
@@ -32,26 +30,9 @@ constexpr int64_t kTileRows = 16;  // rows of x per tile, and outputs per weight
 constexpr int64_t kTileK = 32;     // k per tile (64 bytes of bfloat16)
 
 #if defined(HASTEN_AMX_BF16)
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using hasten_amx::TileConfig;
 
-// Linux hands a process the AMX tile state only after it asks for it (arch_prctl); the CPU must
-// have AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22).
-bool amx_ready() {
-  static const bool ready = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
+bool amx_ready() { return hasten_amx::amx_ready(hasten_amx::kAmxBf16); }
 
 // every tile 16 rows of 64 bytes (C: 16 float32 sums per row; x: 32 bfloat16; weight: 16 pairs per row)
 void configure_tiles() {

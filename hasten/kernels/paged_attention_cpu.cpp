@@ -42,6 +42,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_int8_scores.h"
 #include "attention_math.h"
 
@@ -275,11 +276,67 @@ inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_
   return g;
 }
 
+#if defined(HASTEN_INT8_SCORES)
+// Query tokens [q_begin, q_end) of sequence `seq` (n new tokens, context ctx; q [T, H, D], rows of
+// sequence seq from q0) for kv heads [head_begin, head_end), over the sequence's packed units
+// (`units`: KVH runs of `count` units each). Writes the rows' outputs to out [T, H * D]. amx: the
+// rows on AMX tiles (attention_amx.h; units in the bf16_pv layout), else attend_int8_rows.
+template <typename scalar_t>
+void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int64_t q_begin, int64_t q_end,
+                      int64_t head_begin, int64_t head_end, int64_t H, int64_t G, int64_t D, float scale,
+                      bool bf16_pv, bool amx, const uint8_t* units, int64_t count, scalar_t* out) {
+  const int64_t rows = (q_end - q_begin) * G, ub = int8_unit_bytes(D, bf16_pv);
+  const int64_t padded = (rows + 15) / 16 * 16;  // the tiles take 16 rows at a time
+  // per-thread buffers, reused from item to item (no allocation or zero fill per item)
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> sq, res;
+  thread_local std::vector<int64_t> last;
+  thread_local std::vector<const uint8_t*> qc;
+  thread_local std::vector<float*> dst;
+  if (static_cast<int64_t>(sq.size()) < padded) {
+    sq.resize(padded);
+    last.resize(padded);
+    qc.resize(padded);
+    dst.resize(padded);
+  }
+  if (static_cast<int64_t>(codes.size()) < padded * D) {
+    codes.resize(padded * D);
+    res.resize(padded * D);
+  }
+  for (int64_t h = head_begin; h < head_end; ++h) {
+    for (int64_t t = 0; t < q_end - q_begin; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g;
+        sq[r] = quantize_query_u8(q + ((q0 + q_begin + t) * H + h * G + g) * D, scale, D, codes.data() + r * D);
+        qc[r] = codes.data() + r * D;
+        last[r] = ctx - n + q_begin + t;
+        dst[r] = res.data() + r * D;
+      }
+    }
+#if defined(HASTEN_AMX_ATTENTION)
+    if (amx) {
+      for (int64_t r = rows; r < padded; ++r) {  // rows past the item's: scores 0, outputs not written
+        sq[r] = 0.0f;
+        last[r] = last[rows - 1];
+      }
+      attend_int8_rows_amx(codes.data(), sq.data(), last.data(), rows, D, units + h * count * ub, ub, dst.data());
+    } else
+#endif
+      attend_int8_rows(qc.data(), sq.data(), last.data(), rows, D, bf16_pv, units + h * count * ub, ub, dst.data());
+    for (int64_t t = 0; t < q_end - q_begin; ++t) {
+      scalar_t* o = out + ((q0 + q_begin + t) * H + h * G) * D;
+      const float* r = res.data() + t * G * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<scalar_t>(r[i]);
+    }
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
          int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, bool bf16_pv,
-         at::Tensor& out) {
+         bool int8_tiles, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
@@ -291,6 +348,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // are packed once here, and their tiles read the packed units
   std::vector<int64_t> unit_offset(S, -1), unit_count(S, 0);
   std::unique_ptr<uint8_t[]> units;  // every byte is written by pack_unit: no zero fill
+#if defined(HASTEN_AMX_ATTENTION)
+  const bool amx = int8_tiles && amx_attention_take(sh.D) && amx_attention_ready();
+  if (amx) bf16_pv = true;  // the tiles read the units' bfloat16 value pairs
+#else
+  const bool amx = false;
+#endif
+  // the tiles take 16 query rows at a time: 16 tokens' rows (16 G) fill whole passes
+  const int64_t int8_q_tile = amx ? std::max<int64_t>(q_tile, 16) : q_tile;
 #if defined(HASTEN_INT8_SCORES)
   if constexpr (std::is_same_v<cache_t, int8_t>) {
     const int64_t ub = int8_unit_bytes(sh.D, bf16_pv);
@@ -340,9 +405,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     if (groups.grouped[s] || wide[s]) continue;
     const int64_t n = qs[s + 1] - qs[s];
     if (unit_offset[s] >= 0) {  // integer scores: the last tiles (the most keys) first, so no thread
-      for (int64_t t0 = (n - 1) / q_tile * q_tile; t0 >= 0; t0 -= q_tile)  // is left with a long one at the end
-        for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
-          items.push_back({s, t0, std::min(n, t0 + q_tile), h, std::min(sh.KVH, h + heads_per_item)});
+      for (int64_t t0 = (n - 1) / int8_q_tile * int8_q_tile; t0 >= 0; t0 -= int8_q_tile)  // is left with a long
+        for (int64_t h = 0; h < sh.KVH; h += heads_per_item)                            // one at the end
+          items.push_back({s, t0, std::min(n, t0 + int8_q_tile), h, std::min(sh.KVH, h + heads_per_item)});
       continue;
     }
     for (int64_t t0 = 0; t0 < n; t0 += q_tile)
@@ -363,7 +428,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(HASTEN_INT8_SCORES)
         if (const Item& it = items[i]; unit_offset[it.seq] >= 0) {
           attend_tile_int8(q.data_ptr<scalar_t>(), qs[it.seq], qs[it.seq + 1] - qs[it.seq], cl[it.seq], it.q_begin,
-                           it.q_end, it.head_begin, it.head_end, sh.H, sh.G, sh.D, sh.scale, bf16_pv,
+                           it.q_end, it.head_begin, it.head_end, sh.H, sh.G, sh.D, sh.scale, bf16_pv, amx,
                            units.get() + unit_offset[it.seq], unit_count[it.seq], out.data_ptr<scalar_t>());
           continue;
         }
@@ -410,6 +475,14 @@ bool attention_int8_has_tiles() {
 #endif
 }
 
+bool attention_amx_available() {
+#if defined(HASTEN_AMX_ATTENTION)
+  return amx_attention_ready();
+#else
+  return false;
+#endif
+}
+
 bool attention_bf16_pv_has_tiles() {
 #if defined(HASTEN_BF16_PV)
   return true;
@@ -422,7 +495,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window, double softcap, int64_t wide_rows,
-                           int64_t int8_rows, bool int8_bf16_pv) {
+                           int64_t int8_rows, bool int8_bf16_pv, bool int8_tiles) {
 #if !defined(HASTEN_BF16_PV)
   int8_bf16_pv = false;  // this build has no bfloat16 dot products: float32 P V
 #endif
@@ -470,16 +543,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
     else if (int8_cache)
       run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
   });
   for (int64_t s = 0; s < S && any_wide; ++s)
     if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);

@@ -1,0 +1,175 @@
+// attention_int8_scores' prefill rows on AMX tiles (paged_attention's int8_tiles; the switch
+// attention_amx in hasten.config). Included by paged_attention_cpu.cpp after attention_int8_scores.h,
+// whose packed units it reads in their bf16_pv layout.
+//
+// The arithmetic is attend_rows_int8's with bf16_pv, 16 query rows of one kv head at a time:
+// 1. scores: a unit's key codes ([D / 4][16] dwords: row c holds dims 4c .. 4c + 3 of its 16 keys)
+//    are, as packed, the B operand of TDPBUSD, and the 16 rows' q + 128 codes (64 bytes per row) the
+//    A operand: one TDPBUSD per 64 dims gives the 16 x 16 integer dot products, exact in int32 as the
+//    VNNI loop's are; they are stored, and each row's scores are scaled, masked and put through the
+//    online softmax over chunks of 256 keys exactly as attend_rows_int8 does;
+// 2. P V: each row's weights times the value scales, rounded to bfloat16 (as bf16_pv), 16 keys per
+//    A tile (16 rows x 16 bfloat16), against the unit's value pairs ([8][D][2]: 8 rows of 16 dims x
+//    2 keys per B tile): TDPBF16PS into 16 x 16 float32 sums per 16 dims. A chunk's sums go to the
+//    rows' accumulators after the rescale of the running maximum.
+// So the scores and weights are those of the bf16_pv path; only the order in which float32 P V
+// products are added differs (and the tiles treat bfloat16 subnormals as zero).
+// Tiles: tmm0, tmm5, tmm6, tmm7 the P V sums (tmm0 holds a unit's scores first); tmm1 the q codes;
+// tmm2 a unit's key codes; tmm3 16 rows of weights; tmm4 8 key pairs of values.
+#pragma once
+
+#include "amx_tiles.h"
+#include "attention_int8_scores.h"
+
+#if defined(HASTEN_INT8_SCORES) && defined(HASTEN_BF16_PV) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__AMX_BF16__)
+#define HASTEN_AMX_ATTENTION 1
+#endif
+
+namespace hasten_attention {
+namespace {
+
+// Head sizes the tiles take (whole 64-byte rows of q codes).
+inline bool amx_attention_take(int64_t D) { return D == 64 || D == 128; }
+
+#if defined(HASTEN_AMX_ATTENTION)
+constexpr int kAmxRows = 16;  // query rows per tile pass
+
+inline bool amx_attention_ready() {
+  return hasten_amx::amx_ready(hasten_amx::kAmxInt8 | hasten_amx::kAmxBf16);
+}
+
+inline void configure_attention_tiles() {
+  hasten_amx::TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  cfg.colsb[3] = kUnitKeys * 2;  // 16 bfloat16 weights per row
+  cfg.rows[4] = kUnitKeys / 2;   // 8 key pairs
+  _tile_loadconfig(&cfg);
+}
+
+// 16 query rows (codes q + 128 at qcodes, D bytes per row; scales sq; newest visible key positions
+// last) over the units up to the newest any of them sees; writes the first `rows` rows' normalised
+// outputs (D floats) to out[r]. The tiles must be configured (configure_attention_tiles).
+template <int DT>  // D = 64 DT
+inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int rows,
+                             const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
+  constexpr int64_t D = 64 * DT, CK = kChunkUnits * kUnitKeys;
+  int64_t newest = 0;
+  for (int r = 0; r < kAmxRows; ++r) newest = std::max(newest, last[r]);
+  const int64_t units = newest / kUnitKeys + 1;
+  alignas(64) int32_t scores[kAmxRows][CK];  // int32 dot products, then (in place) the scaled scores
+  alignas(64) uint16_t weights[kAmxRows][CK];
+  alignas(64) float part[kAmxRows][D];
+  alignas(64) float acc[kAmxRows][D];
+  float m[kAmxRows], l[kAmxRows], corr[kAmxRows];
+  __mmask16 seen[kAmxRows][kChunkUnits];
+  for (int r = 0; r < kAmxRows; ++r) {
+    std::fill(acc[r], acc[r] + D, 0.0f);
+    m[r] = -1e30f;
+    l[r] = 0.0f;
+  }
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 lowest = _mm512_set1_ps(-1e30f);
+  if constexpr (DT == 1) _tile_loadd(1, qcodes, D);
+  for (int64_t u0 = 0; u0 < units; u0 += kChunkUnits) {
+    const int64_t nu = std::min(kChunkUnits, units - u0);
+    for (int64_t i = 0; i < nu; ++i) {
+      const PackedUnit un = unit_at(unit_base + (u0 + i) * unit_stride, D);
+      _tile_zero(0);
+      _tile_loadd(2, un.codes, 64);
+      if constexpr (DT == 2) _tile_loadd(1, qcodes, D);
+      _tile_dpbusd(0, 1, 2);
+      if constexpr (DT == 2) {
+        _tile_loadd(1, qcodes + 64, D);
+        _tile_loadd(2, un.codes + 16 * kUnitKeys, 64);
+        _tile_dpbusd(0, 1, 2);
+      }
+      _tile_stored(0, scores[0] + i * kUnitKeys, CK * 4);
+    }
+    for (int r = 0; r < kAmxRows; ++r) {
+      float* s = reinterpret_cast<float*>(scores[r]);
+      const __m512i limit = _mm512_set1_epi32(static_cast<int32_t>(last[r]));
+      __m512 vmax = lowest;
+      for (int64_t i = 0; i < nu; ++i) {
+        const PackedUnit un = unit_at(unit_base + (u0 + i) * unit_stride, D);
+        const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>((u0 + i) * kUnitKeys)));
+        seen[r][i] = _mm512_cmple_epi32_mask(pos, limit);
+        const __m512i dot = _mm512_load_si512(scores[r] + i * kUnitKeys);
+        const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_loadu_si512(un.sums))),
+                                       _mm512_mul_ps(_mm512_loadu_ps(un.scales), _mm512_set1_ps(sq[r])));
+        _mm512_store_ps(s + i * kUnitKeys, x);
+        vmax = _mm512_mask_max_ps(vmax, seen[r][i], vmax, x);
+      }
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(vmax));
+      corr[r] = exp_nonpositive(m[r] - mx);
+      const __m512 vm = _mm512_set1_ps(mx);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nu; ++i) {
+        const __m512 x = _mm512_sub_ps(_mm512_load_ps(s + i * kUnitKeys), vm);
+        const __m512 e = _mm512_maskz_mov_ps(seen[r][i], exp_nonpositive16<true>(x));
+        const __m512 vscale = _mm512_loadu_ps(unit_at(unit_base + (u0 + i) * unit_stride, D).vscales);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r] + i * kUnitKeys),
+                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(e, vscale))));
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(vsum);
+      m[r] = mx;
+    }
+    for (int half = 0; half < DT; ++half) {  // 64 dims (four 16 x 16 tiles of sums) at a time
+      _tile_zero(0);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t i = 0; i < nu; ++i) {
+        const char* v = reinterpret_cast<const char*>(unit_at(unit_base + (u0 + i) * unit_stride, D).vpairs) +
+                        half * 256;  // row of a pair: D dims x 2 keys x 2 bytes; 64 bytes per 16 dims
+        _tile_loadd(3, weights[0] + i * kUnitKeys, CK * 2);
+        _tile_loadd(4, v, D * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(4, v + 64, D * 4);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_loadd(4, v + 128, D * 4);
+        _tile_dpbf16ps(6, 3, 4);
+        _tile_loadd(4, v + 192, D * 4);
+        _tile_dpbf16ps(7, 3, 4);
+      }
+      float* p = part[0] + half * 64;
+      _tile_stored(0, p, D * 4);
+      _tile_stored(5, p + 16, D * 4);
+      _tile_stored(6, p + 32, D * 4);
+      _tile_stored(7, p + 48, D * 4);
+    }
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512 vc = _mm512_set1_ps(corr[r]);
+      for (int64_t c = 0; c < D; c += 16)
+        _mm512_store_ps(acc[r] + c, _mm512_fmadd_ps(_mm512_load_ps(acc[r] + c), vc, _mm512_load_ps(part[r] + c)));
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(out[r] + c, _mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv));
+  }
+}
+
+// `rows` query rows (codes at qcodes, D bytes each, contiguous and padded to a multiple of 16 rows;
+// sq and last padded alike) through attend_block_amx, 16 at a time.
+inline void attend_int8_rows_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int64_t rows, int64_t D,
+                                 const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
+  configure_attention_tiles();
+  for (int64_t r = 0; r < rows; r += kAmxRows) {
+    const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r));
+    if (D == 64)
+      attend_block_amx<1>(qcodes + r * D, sq + r, last + r, n, unit_base, unit_stride, out + r);
+    else
+      attend_block_amx<2>(qcodes + r * D, sq + r, last + r, n, unit_base, unit_stride, out + r);
+  }
+  _tile_release();
+}
+#endif
+
+}  // namespace
+}  // namespace hasten_attention
