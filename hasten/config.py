@@ -102,6 +102,10 @@ class EngineConfig:
     # and P V taken as bfloat16 dot products with the value codes: auto = on where the kernels have the
     # AVX512-BF16 path | on (an error where they do not) | off
     attention_bf16_pv: str = "auto"
+    # with attention_bf16_pv: those sequences' scores and P V on AMX tiles (TDPBUSD, TDPBF16PS; the same
+    # scores and bfloat16 weights): auto = on where the CPU has AMX-INT8 and AMX-BF16 | on (an error where it
+    # has not) | off
+    attention_amx: str = "auto"
     # cpp attention: in a step without prompt logprobs or hidden-state readers, the last layer writes every
     # row's keys and values but runs attention, o_proj and the MLP only for the rows whose logits are sampled
     last_layer_sampled_rows: bool = True

@@ -1,6 +1,7 @@
 // attention_int8_scores' prefill rows on AMX tiles (paged_attention's int8_tiles; the switch
-// attention_amx in hasten.config). Included by paged_attention_cpu.cpp after attention_int8_scores.h,
-// whose packed units it reads in their bf16_pv layout.
+// attention_amx in hasten.config). Included by paged_attention_cpu.cpp; reads the units packed by
+// attention_int8_scores.h in their bf16_pv form, with each kv head's value pairs in one run of their
+// own (pack_unit's `pairs`: [units * 8][D][2]) so that one B tile spans the 16 pairs of two units.
 //
 // The arithmetic is attend_rows_int8's with bf16_pv, 16 query rows of one kv head at a time:
 // 1. scores: a unit's key codes ([D / 4][16] dwords: row c holds dims 4c .. 4c + 3 of its 16 keys)
@@ -8,14 +9,15 @@
 //    A operand: one TDPBUSD per 64 dims gives the 16 x 16 integer dot products, exact in int32 as the
 //    VNNI loop's are; they are stored, and each row's scores are scaled, masked and put through the
 //    online softmax over chunks of 256 keys exactly as attend_rows_int8 does;
-// 2. P V: each row's weights times the value scales, rounded to bfloat16 (as bf16_pv), 16 keys per
-//    A tile (16 rows x 16 bfloat16), against the unit's value pairs ([8][D][2]: 8 rows of 16 dims x
-//    2 keys per B tile): TDPBF16PS into 16 x 16 float32 sums per 16 dims. A chunk's sums go to the
-//    rows' accumulators after the rescale of the running maximum.
+// 2. P V: each row's weights times the value scales, rounded to bfloat16 (as bf16_pv), 32 keys per
+//    A tile (16 rows x 32 bfloat16), against two units' value pairs (16 rows of 16 dims x 2 keys per B
+//    tile): TDPBF16PS into 16 x 16 float32 sums per 16 dims. A chunk's sums go to the rows'
+//    accumulators after the rescale of the running maximum. A sequence's unit count is even (the
+//    last unit past its keys is zeros), and the weights of a unit past the chunk's are set to 0.
 // So the scores and weights are those of the bf16_pv path; only the order in which float32 P V
 // products are added differs (and the tiles treat bfloat16 subnormals as zero).
-// Tiles: tmm0, tmm5, tmm6, tmm7 the P V sums (tmm0 holds a unit's scores first); tmm1 the q codes;
-// tmm2 a unit's key codes; tmm3 16 rows of weights; tmm4 8 key pairs of values.
+// Tiles, all 16 rows of 64 bytes: tmm0, tmm5, tmm6, tmm7 the P V sums (tmm0 holds a unit's scores
+// first); tmm1 the q codes; tmm2 a unit's key codes; tmm3 32 weights per row; tmm4 16 value pairs.
 #pragma once
 
 #include "amx_tiles.h"
@@ -32,6 +34,11 @@ namespace {
 // Head sizes the tiles take (whole 64-byte rows of q codes).
 inline bool amx_attention_take(int64_t D) { return D == 64 || D == 128; }
 
+// Bytes of a unit without its value pairs (codes, 128 * code sums, key scales, value scales), and of
+// one unit's pairs in the run of its kv head.
+inline int64_t amx_unit_bytes(int64_t D) { return kUnitKeys * D + 3 * kUnitKeys * 4; }
+inline int64_t amx_pair_bytes(int64_t D) { return kUnitKeys * D * 2; }
+
 #if defined(HASTEN_AMX_ATTENTION)
 constexpr int kAmxRows = 16;  // query rows per tile pass
 
@@ -46,17 +53,17 @@ inline void configure_attention_tiles() {
     cfg.rows[t] = kAmxRows;
     cfg.colsb[t] = 64;
   }
-  cfg.colsb[3] = kUnitKeys * 2;  // 16 bfloat16 weights per row
-  cfg.rows[4] = kUnitKeys / 2;   // 8 key pairs
   _tile_loadconfig(&cfg);
 }
 
 // 16 query rows (codes q + 128 at qcodes, D bytes per row; scales sq; newest visible key positions
-// last) over the units up to the newest any of them sees; writes the first `rows` rows' normalised
-// outputs (D floats) to out[r]. The tiles must be configured (configure_attention_tiles).
+// last) over the units up to the newest any of them sees (`unit_base` + u * unit_stride bytes each,
+// their value pairs from `pairs`); writes the first `rows` rows' normalised outputs (D floats) to
+// out[r]. The tiles must be configured (configure_attention_tiles).
 template <int DT>  // D = 64 DT
 inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int rows,
-                             const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
+                             const uint8_t* unit_base, int64_t unit_stride, const uint16_t* pairs,
+                             float* const* out) {
   constexpr int64_t D = 64 * DT, CK = kChunkUnits * kUnitKeys;
   int64_t newest = 0;
   for (int r = 0; r < kAmxRows; ++r) newest = std::max(newest, last[r]);
@@ -119,14 +126,15 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
       l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(vsum);
       m[r] = mx;
     }
+    if (nu % 2 == 1)  // the pair's second unit is past the chunk: no weight
+      for (int r = 0; r < kAmxRows; ++r) std::fill(weights[r] + nu * kUnitKeys, weights[r] + (nu + 1) * kUnitKeys, 0);
     for (int half = 0; half < DT; ++half) {  // 64 dims (four 16 x 16 tiles of sums) at a time
       _tile_zero(0);
       _tile_zero(5);
       _tile_zero(6);
       _tile_zero(7);
-      for (int64_t i = 0; i < nu; ++i) {
-        const char* v = reinterpret_cast<const char*>(unit_at(unit_base + (u0 + i) * unit_stride, D).vpairs) +
-                        half * 256;  // row of a pair: D dims x 2 keys x 2 bytes; 64 bytes per 16 dims
+      for (int64_t i = 0; i < nu; i += 2) {  // units i and i + 1: 16 pairs of D dims x 2 keys x 2 bytes
+        const char* v = reinterpret_cast<const char*>(pairs + (u0 + i) * kUnitKeys * D) + half * 256;
         _tile_loadd(3, weights[0] + i * kUnitKeys, CK * 2);
         _tile_loadd(4, v, D * 4);
         _tile_dpbf16ps(0, 3, 4);
@@ -158,14 +166,15 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
 // `rows` query rows (codes at qcodes, D bytes each, contiguous and padded to a multiple of 16 rows;
 // sq and last padded alike) through attend_block_amx, 16 at a time.
 inline void attend_int8_rows_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int64_t rows, int64_t D,
-                                 const uint8_t* unit_base, int64_t unit_stride, float* const* out) {
+                                 const uint8_t* unit_base, int64_t unit_stride, const uint16_t* pairs,
+                                 float* const* out) {
   configure_attention_tiles();
   for (int64_t r = 0; r < rows; r += kAmxRows) {
     const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r));
     if (D == 64)
-      attend_block_amx<1>(qcodes + r * D, sq + r, last + r, n, unit_base, unit_stride, out + r);
+      attend_block_amx<1>(qcodes + r * D, sq + r, last + r, n, unit_base, unit_stride, pairs, out + r);
     else
-      attend_block_amx<2>(qcodes + r * D, sq + r, last + r, n, unit_base, unit_stride, out + r);
+      attend_block_amx<2>(qcodes + r * D, sq + r, last + r, n, unit_base, unit_stride, pairs, out + r);
   }
   _tile_release();
 }

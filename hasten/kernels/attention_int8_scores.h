@@ -86,15 +86,16 @@ inline uint16_t bf16_of_code(int8_t c) {
 }
 
 // Packs keys [16 u, 16 u + 16) of kv head h of one sequence (block table `table`, ctx tokens) from
-// the int8 cache pool (rows of D + 4 bytes, KVH heads per token, BS tokens per block) into dst.
+// the int8 cache pool (rows of D + 4 bytes, KVH heads per token, BS tokens per block) into dst. With
+// bf16_pv, `pairs` (if given) takes the value pairs instead of the unit's own tail (attention_amx.h).
 inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, int64_t ctx, int64_t u, int64_t h,
-                      int64_t BS, int64_t KVH, int64_t D, bool bf16_pv, uint8_t* dst) {
+                      int64_t BS, int64_t KVH, int64_t D, bool bf16_pv, uint8_t* dst, uint16_t* pairs = nullptr) {
   const int64_t P = D + kInt8ScaleBytes;
   int32_t* codes = reinterpret_cast<int32_t*>(dst);
   int32_t* sums = codes + kUnitKeys * D / 4;
   float* scales = reinterpret_cast<float*>(sums + kUnitKeys);
   float* values = scales + kUnitKeys;  // float32 units; bf16_pv: the value scales, then the pairs
-  uint16_t* vpairs = reinterpret_cast<uint16_t*>(values + kUnitKeys);
+  uint16_t* vpairs = pairs != nullptr ? pairs : reinterpret_cast<uint16_t*>(values + kUnitKeys);
   for (int64_t j = 0; j < kUnitKeys; ++j) {
     const int64_t pos = u * kUnitKeys + j;
     if (pos >= ctx) {

@@ -87,6 +87,23 @@ def resolve_bf16_pv(mode: str, int8_rows: int) -> bool:
     return False
 
 
+def resolve_amx_attention(mode: str, bf16_pv: bool) -> bool:
+    """attention_amx (auto | on | off) -> paged_attention's int8_tiles. It applies to the sequences
+    attention_int8_scores takes with attention_bf16_pv (the tiles' P V is bfloat16); auto is on where
+    the kernels and the CPU have AMX-INT8 and AMX-BF16, on asks for them (an error where they lack them)."""
+    check_mode("attention_amx", mode)
+    if mode == "off":
+        return False
+    from hasten.kernels.cpu_attention import amx_attention_available
+
+    if amx_attention_available():
+        return bf16_pv
+    if mode == "on":
+        raise ValueError("attention_amx=on needs a CPU with AMX-INT8 and AMX-BF16 and the C++ kernels built for it "
+                         "(this CPU or build lacks them); use attention_amx=auto or off")
+    return False
+
+
 def resolve_int8_attention_rows(mode: str, min_rows: int, int8_cache: bool) -> int:
     """attention_int8_scores (auto | on | off) and its row threshold -> paged_attention's int8_rows (0:
     off). auto is on for an int8 KV cache where the kernels built with the VNNI path; on asks for that

@@ -280,12 +280,13 @@ inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_
 // Query tokens [q_begin, q_end) of sequence `seq` (n new tokens, context ctx; q [T, H, D], rows of
 // sequence seq from q0) for kv heads [head_begin, head_end), over the sequence's packed units
 // (`units`: KVH runs of `count` units each). Writes the rows' outputs to out [T, H * D]. amx: the
-// rows on AMX tiles (attention_amx.h; units in the bf16_pv layout), else attend_int8_rows.
+// rows on AMX tiles (attention_amx.h; the units' value pairs in KVH runs after them), else
+// attend_int8_rows.
 template <typename scalar_t>
 void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int64_t q_begin, int64_t q_end,
                       int64_t head_begin, int64_t head_end, int64_t H, int64_t G, int64_t D, float scale,
                       bool bf16_pv, bool amx, const uint8_t* units, int64_t count, scalar_t* out) {
-  const int64_t rows = (q_end - q_begin) * G, ub = int8_unit_bytes(D, bf16_pv);
+  const int64_t rows = (q_end - q_begin) * G;
   const int64_t padded = (rows + 15) / 16 * 16;  // the tiles take 16 rows at a time
   // per-thread buffers, reused from item to item (no allocation or zero fill per item)
   thread_local std::vector<uint8_t> codes;
@@ -319,10 +320,16 @@ void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int
         sq[r] = 0.0f;
         last[r] = last[rows - 1];
       }
-      attend_int8_rows_amx(codes.data(), sq.data(), last.data(), rows, D, units + h * count * ub, ub, dst.data());
+      const int64_t ub = amx_unit_bytes(D), kvh = H / G;
+      const uint8_t* pairs = units + kvh * count * ub + h * count * amx_pair_bytes(D);
+      attend_int8_rows_amx(codes.data(), sq.data(), last.data(), rows, D, units + h * count * ub, ub,
+                           reinterpret_cast<const uint16_t*>(pairs), dst.data());
     } else
 #endif
+    {
+      const int64_t ub = int8_unit_bytes(D, bf16_pv);
       attend_int8_rows(qc.data(), sq.data(), last.data(), rows, D, bf16_pv, units + h * count * ub, ub, dst.data());
+    }
     for (int64_t t = 0; t < q_end - q_begin; ++t) {
       scalar_t* o = out + ((q0 + q_begin + t) * H + h * G) * D;
       const float* r = res.data() + t * G * D;
@@ -358,7 +365,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t int8_q_tile = amx ? std::max<int64_t>(q_tile, 16) : q_tile;
 #if defined(HASTEN_INT8_SCORES)
   if constexpr (std::is_same_v<cache_t, int8_t>) {
-    const int64_t ub = int8_unit_bytes(sh.D, bf16_pv);
+    // with amx, each sequence's units without their value pairs, then KVH runs of the pairs
+    const int64_t ub = amx ? amx_unit_bytes(sh.D) : int8_unit_bytes(sh.D, bf16_pv);
+    const int64_t pb = amx ? amx_pair_bytes(sh.D) : 0;
     int64_t bytes = 0;
     std::vector<std::array<int64_t, 3>> jobs;  // sequence, kv head, unit
     if (int8_rows > 0 && softcap == 0.0 && int8_scores_take(sh.D)) {
@@ -366,9 +375,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (wide[s] || qs[s + 1] - qs[s] < std::max<int64_t>(int8_rows, 2) || (window > 0 && cl[s] > window)) continue;
         unit_offset[s] = bytes;
         unit_count[s] = (cl[s] + kUnitKeys - 1) / kUnitKeys;
+        if (amx) unit_count[s] += unit_count[s] % 2;  // the tiles take the pairs of two units at once
         for (int64_t h = 0; h < sh.KVH; ++h)
           for (int64_t u = 0; u < unit_count[s]; ++u) jobs.push_back({s, h, u});
-        bytes += sh.KVH * unit_count[s] * ub;
+        bytes += sh.KVH * unit_count[s] * (ub + pb);
       }
     }
     if (bytes > 0) {  // decode-only calls allocate and pack nothing
@@ -376,8 +386,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       at::parallel_for(0, static_cast<int64_t>(jobs.size()), 16, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const auto [s, h, u] = jobs[i];
+          uint8_t* seq = units.get() + unit_offset[s];
+          uint8_t* pairs = amx ? seq + sh.KVH * unit_count[s] * ub + (h * unit_count[s] + u) * pb : nullptr;
           pack_unit(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables.data_ptr<int32_t>() + s * sh.max_blocks,
-                    cl[s], u, h, sh.BS, sh.KVH, sh.D, bf16_pv, units.get() + unit_offset[s] + (h * unit_count[s] + u) * ub);
+                    cl[s], u, h, sh.BS, sh.KVH, sh.D, bf16_pv, seq + (h * unit_count[s] + u) * ub,
+                    reinterpret_cast<uint16_t*>(pairs));
         }
       });
     }

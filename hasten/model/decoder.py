@@ -33,11 +33,13 @@ class PrefillAttention:
     bf16_rows: from that many, bfloat16 SDPA over the gathered keys and values (attention_bf16);
     int8_rows: from that many, over an int8 cache, scores of q rounded to int8 against the cache's key
     codes (attention_int8_scores; paged_attention's int8_rows); bf16_pv: those rows' P V as bfloat16 dot
-    products (attention_bf16_pv; paged_attention's int8_bf16_pv)."""
+    products (attention_bf16_pv; paged_attention's int8_bf16_pv); amx: those rows on AMX tiles
+    (attention_amx; paged_attention's int8_tiles)."""
 
     bf16_rows: int = 0
     int8_rows: int = 0
     bf16_pv: bool = False
+    amx: bool = False
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -122,6 +124,7 @@ class Decoder:
             self.loop.set_wide_attention_rows(paths.bf16_rows)
             self.loop.set_int8_attention_rows(paths.int8_rows)
             self.loop.set_bf16_pv(paths.bf16_pv)
+            self.loop.set_int8_tiles(paths.amx)
 
     def apply_cpu_switches(self, config: Any) -> None:
         """An EngineConfig's switches of the CPU paths: prefill attention (prefill_attention), fast_silu
@@ -178,7 +181,7 @@ class Decoder:
         return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
                                window=self.windows[i], softcap=self.softcap,
                                wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows,
-                               int8_bf16_pv=self.prefill_attention.bf16_pv)
+                               int8_bf16_pv=self.prefill_attention.bf16_pv, int8_tiles=self.prefill_attention.amx)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -329,7 +332,12 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
     where the projections took bfloat16 for wide calls too (quant_bf16_gemm) and attention_int8_scores
     is off; attention_int8_scores' auto turns it on for an int8 KV cache where the kernels have its
     AVX-512 VNNI path."""
-    from hasten.kernels.cpu_features import resolve_bf16_pv, resolve_bf16_rows, resolve_int8_attention_rows
+    from hasten.kernels.cpu_features import (
+        resolve_amx_attention,
+        resolve_bf16_pv,
+        resolve_bf16_rows,
+        resolve_int8_attention_rows,
+    )
 
     bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
     int8_rows = resolve_int8_attention_rows(config.attention_int8_scores, config.attention_int8_scores_min_rows,
@@ -339,10 +347,12 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
         # int8 cache's integer scores take those sequences (per 512-token step on a Sapphire Rapids class
         # CPU: 38-40 ms of attention against 62-72 ms for bfloat16 SDPA over the dequantized cache)
         mode = "on" if bf16_gemm and not int8_rows else "off"
+    bf16_pv = resolve_bf16_pv(config.attention_bf16_pv, int8_rows)
     return PrefillAttention(
         bf16_rows=resolve_bf16_rows("attention_bf16", mode, config.attention_bf16_min_rows),
         int8_rows=int8_rows,
-        bf16_pv=resolve_bf16_pv(config.attention_bf16_pv, int8_rows),
+        bf16_pv=bf16_pv,
+        amx=resolve_amx_attention(config.attention_amx, bf16_pv),
     )
 
 
