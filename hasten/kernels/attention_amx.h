@@ -16,8 +16,9 @@
 //    last unit past its keys is zeros), and the weights of a unit past the chunk's are set to 0.
 // So the scores and weights are those of the bf16_pv path; only the order in which float32 P V
 // products are added differs (and the tiles treat bfloat16 subnormals as zero).
-// Tiles, all 16 rows of 64 bytes: tmm0, tmm5, tmm6, tmm7 the P V sums (tmm0 holds a unit's scores
-// first); tmm1 the q codes; tmm2 a unit's key codes; tmm3 32 weights per row; tmm4 16 value pairs.
+// Tiles, all 16 rows of 64 bytes: scores of two units in tmm0 and tmm5 from the q codes in tmm1 and
+// the units' key codes in tmm2 and tmm6; then the P V sums in tmm0, tmm5, tmm6 and tmm7 from 32
+// weights per row in tmm3 and 16 value pairs in tmm4 and tmm2 by turns.
 #pragma once
 
 #include "amx_tiles.h"
@@ -84,18 +85,26 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
   if constexpr (DT == 1) _tile_loadd(1, qcodes, D);
   for (int64_t u0 = 0; u0 < units; u0 += kChunkUnits) {
     const int64_t nu = std::min(kChunkUnits, units - u0);
-    for (int64_t i = 0; i < nu; ++i) {
-      const PackedUnit un = unit_at(unit_base + (u0 + i) * unit_stride, D);
+    for (int64_t i = 0; i < nu; i += 2) {  // two units at a time (sums in tmm0 and tmm5, codes in tmm2 and
+      // tmm6), so that one unit's products overlap the other's loads and stores
+      const PackedUnit a = unit_at(unit_base + (u0 + i) * unit_stride, D);
+      const PackedUnit b = unit_at(unit_base + (u0 + i + 1) * unit_stride, D);  // i + 1 < count (even)
       _tile_zero(0);
-      _tile_loadd(2, un.codes, 64);
+      _tile_zero(5);
+      _tile_loadd(2, a.codes, 64);
+      _tile_loadd(6, b.codes, 64);
       if constexpr (DT == 2) _tile_loadd(1, qcodes, D);
       _tile_dpbusd(0, 1, 2);
+      _tile_dpbusd(5, 1, 6);
       if constexpr (DT == 2) {
         _tile_loadd(1, qcodes + 64, D);
-        _tile_loadd(2, un.codes + 16 * kUnitKeys, 64);
+        _tile_loadd(2, a.codes + 16 * kUnitKeys, 64);
+        _tile_loadd(6, b.codes + 16 * kUnitKeys, 64);
         _tile_dpbusd(0, 1, 2);
+        _tile_dpbusd(5, 1, 6);
       }
       _tile_stored(0, scores[0] + i * kUnitKeys, CK * 4);
+      _tile_stored(5, scores[0] + (i + 1) * kUnitKeys, CK * 4);  // past nu: never read
     }
     for (int r = 0; r < kAmxRows; ++r) {
       float* s = reinterpret_cast<float*>(scores[r]);
@@ -136,14 +145,14 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
       for (int64_t i = 0; i < nu; i += 2) {  // units i and i + 1: 16 pairs of D dims x 2 keys x 2 bytes
         const char* v = reinterpret_cast<const char*>(pairs + (u0 + i) * kUnitKeys * D) + half * 256;
         _tile_loadd(3, weights[0] + i * kUnitKeys, CK * 2);
-        _tile_loadd(4, v, D * 4);
+        _tile_loadd(4, v, D * 4);  // values alternate between tmm4 and tmm2 (free after the scores)
+        _tile_loadd(2, v + 64, D * 4);
         _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(4, v + 64, D * 4);
-        _tile_dpbf16ps(5, 3, 4);
+        _tile_dpbf16ps(5, 3, 2);
         _tile_loadd(4, v + 128, D * 4);
+        _tile_loadd(2, v + 192, D * 4);
         _tile_dpbf16ps(6, 3, 4);
-        _tile_loadd(4, v + 192, D * 4);
-        _tile_dpbf16ps(7, 3, 4);
+        _tile_dpbf16ps(7, 3, 2);
       }
       float* p = part[0] + half * 64;
       _tile_stored(0, p, D * 4);

@@ -121,7 +121,20 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
     const float vs = int8_row_scale(v, D);
     if (bf16_pv) {
       values[j] = vs;
-      for (int64_t d = 0; d < D; ++d) vpairs[((j / 2) * D + d) * 2 + j % 2] = bf16_of_code(v[d]);
+      uint16_t* pair = vpairs + (j / 2) * D * 2 + j % 2;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (D % 16 == 0) {  // 16 codes to float32, whose top halves are their bfloat16, into every other lane
+        const __mmask32 lanes = j % 2 == 0 ? 0x55555555u : 0xAAAAAAAAu;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512i bits = _mm512_castps_si512(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + d)))));
+          const __m512i half = j % 2 == 0 ? _mm512_srli_epi32(bits, 16) : bits;  // the lane keeps its top half
+          _mm512_mask_storeu_epi16(pair - j % 2 + 2 * d, lanes, half);
+        }
+        continue;
+      }
+#endif
+      for (int64_t d = 0; d < D; ++d) pair[2 * d] = bf16_of_code(v[d]);
     } else {
       for (int64_t d = 0; d < D; ++d) values[j * D + d] = static_cast<float>(v[d]) * vs;
     }
@@ -133,6 +146,24 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
 // half to even), stored as q + 128 (the code with its sign bit flipped); returns the scale. D <= 256.
 template <typename scalar_t>
 inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (D % 16 == 0) {  // quantize_int8_row's operations in registers (no store and reload of the codes)
+      __m512 x[16];
+      __m512 vmax = _mm512_setzero_ps();
+      const __m512 s = _mm512_set1_ps(scale);
+      for (int64_t i = 0; i < D / 16; ++i) {
+        x[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), s);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x[i]));
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+      for (int64_t i = 0; i < D / 16; ++i)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * i),
+                         _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv))), flip));
+      return amax / 127.0f;
+    }
+  }
   float x[256];
   int8_t row[256 + kInt8ScaleBytes];
   for (int64_t d = 0; d < D; ++d) x[d] = static_cast<float>(q[d]) * scale;
