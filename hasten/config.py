@@ -69,6 +69,9 @@ class EngineConfig:
     # those calls on hasten's AMX tile kernel over a copy kept in tile order (bf16_tiles_linear) where the
     # build, CPU and shape allow; False: oneDNN's GEMM over a row-major copy (reordered on every call)
     quant_bf16_gemm_tiles: bool = True
+    # the C++ layer loop's gate_up calls on that kernel apply SiLU-multiply to their own output tiles
+    # (bf16_tiles_linear_silu: the same values, without writing and re-reading [rows, 2 x intermediate])
+    quant_bf16_gemm_silu: bool = True
     # wide calls of 4-bit int8-activation layers (GGUF Q4 blocks) over an 8-bit-per-row copy of each
     # weight (+1 byte per weight; u8_linear_q8_gemm, no nibble unpacking or per-32 weight scales), where
     # the bfloat16 path does not take them: auto = on where the kernels have its AVX-512 VNNI tiles | on | off

@@ -267,6 +267,16 @@ inline __m512 exp_nonpositive16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// silu(x) * u on 16 lanes with exp_nonpositive16: silu_mul's fast path (decoder_ops_cpu.cpp), and the
+// same operations where the gate_up GEMM applies it to its own tiles (bf16_tiles_linear_silu).
+inline __m512 silu_mul_fast16(__m512 x, __m512 u) {
+  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ);
+  const __m512 e = exp_nonpositive16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero, x), x));
+  const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+  return _mm512_mul_ps(_mm512_mul_ps(x, sig), u);
+}
 #endif
 
 // max(m, s[0], ..., s[n - 1]) (a max is exact, so the order does not matter). This and

@@ -49,6 +49,11 @@ struct Linear {
   // whether a call with `rows` rows of x takes the bfloat16 path
   bool takes_bf16(int64_t rows) const { return bf16_weight && rows >= bf16_min_rows; }
   bool takes_u8(int64_t rows) const { return u8_weight && rows >= u8_min_rows; }
+  // whether such a call runs bf16_tiles_linear itself, with nothing after it (so its output tiles may
+  // go straight into silu_mul: bf16_tiles_linear_silu)
+  bool takes_bf16_tiles(int64_t rows) const {
+    return kind != LinearKind::kPython && takes_bf16(rows) && bf16_weight->dim() == 5 && !bias && !inv_input_scale;
+  }
 
   at::Tensor operator()(const at::Tensor& x_in) const {
     if (kind == LinearKind::kPython) {
@@ -254,9 +259,16 @@ class DecoderLoop {
       timer.mark(kO);
       x = add_rms_norm(h, o, lw.post_norm, eps_);
       timer.mark(kNorms);
-      at::Tensor gate_up = contiguous(lw.gate_up(x));
-      timer.mark(kGateUp);
-      at::Tensor act = silu_mul(gate_up, lw.down.takes_bf16(gate_up.size(0)) || (fast_silu_ && lw.down.rounds_input));
+      const bool fast = lw.down.takes_bf16(x.size(0)) || (fast_silu_ && lw.down.rounds_input);
+      at::Tensor act;
+      if (gemm_silu_ && fast && lw.gate_up.takes_bf16_tiles(x.size(0))) {
+        act = bf16_tiles_linear_silu(contiguous(x), *lw.gate_up.bf16_weight);  // the same values, one pass
+        timer.mark(kGateUp);
+      } else {
+        act = contiguous(lw.gate_up(x));
+        timer.mark(kGateUp);
+        act = silu_mul(act, fast);
+      }
       timer.mark(kSiluMul);
       at::Tensor down = contiguous(lw.down(act));
       timer.mark(kDown);
@@ -285,6 +297,10 @@ class DecoderLoop {
   // silu_mul's vectorized exp (~2 ulp) for every call whose down projection rounds its input anyway
   void set_fast_silu(bool on) { fast_silu_ = on; }
 
+  // gate_up calls on hasten's AMX bfloat16 kernel with the fast SiLU apply it to their own output
+  // tiles (bf16_tiles_linear_silu: bit-identical to the two calls)
+  void set_gemm_silu(bool on) { gemm_silu_ = on; }
+
   // Profiling: per-part seconds summed over the forward calls since it was switched on.
   void set_profiling(bool on) {
     profiling_ = on;
@@ -309,6 +325,7 @@ class DecoderLoop {
   int64_t wide_attention_rows_ = 0;
   int64_t int8_attention_rows_ = 0;
   bool fast_silu_ = false;
+  bool gemm_silu_ = false;
   bool bf16_pv_ = false;
   bool int8_tiles_ = false;
   mutable std::array<double, kNumParts> totals_{};
@@ -333,6 +350,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_tiles_pack", &bf16_tiles_pack, nogil, "a weight [N, K] as bfloat16 in AMX tile order (bf16_tiles_linear's layout)");
   m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil, arg("x"), arg("packed"),
         "y = x W^T with x rounded to bfloat16, over bf16_tiles_pack's layout, on AMX tiles (float32 sums)");
+  m.def("bf16_tiles_linear_silu", &bf16_tiles_linear_silu, nogil, arg("x"), arg("packed"),
+        "silu_mul(bf16_tiles_linear(x, packed), fast=True) for packed [gate | up], from the output tiles");
   m.def("bf16_tiles_available", &bf16_tiles_available, "whether this build and CPU run bf16_tiles_linear (AMX-BF16)");
   m.def("u8_gemm_has_tiles", &u8_gemm_has_tiles, "whether this build has the AVX-512 VNNI tiles of u8_linear_q8_gemm");
   m.def("int4_linear_q8", &int4_linear_q8, nogil, "as int4_linear, with x quantized to int8 per 32 values");
@@ -396,6 +415,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "P V of the int8-scored sequences in bfloat16 dot products (paged_attention's int8_bf16_pv)")
       .def("set_int8_tiles", &DecoderLoop::set_int8_tiles,
            "the int8-scored sequences on AMX tiles (paged_attention's int8_tiles)")
+      .def("set_gemm_silu", &DecoderLoop::set_gemm_silu,
+           "gate_up calls on the AMX bfloat16 kernel apply the fast SiLU to their output tiles")
       .def("set_fast_silu", &DecoderLoop::set_fast_silu,
            "SiLU with the vectorized exp where the down projection rounds its input (int8 / bfloat16 x)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")

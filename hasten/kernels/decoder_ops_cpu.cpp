@@ -260,14 +260,8 @@ void silu_mul_fast_rows(const float* gp, float* op, int64_t T, int64_t I) {
 #if defined(__AVX512F__)
       // 16 lanes of sigmoid_fast, the same operations in the same order (half the instructions of
       // the 8-lane loop below)
-      const __m512 zero16 = _mm512_setzero_ps(), one16 = _mm512_set1_ps(1.0f);
-      for (; i + 16 <= I; i += 16) {
-        const __m512 x = _mm512_loadu_ps(g + i);
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, zero16, _CMP_LT_OQ);
-        const __m512 e = hasten_attention::exp_nonpositive16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(zero16, x), x));
-        const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one16, e), _mm512_add_ps(one16, e));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
-      }
+      for (; i + 16 <= I; i += 16)
+        _mm512_storeu_ps(o + i, hasten_attention::silu_mul_fast16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
       // 8 lanes of sigmoid_fast, the same operations in the same order (GCC leaves the scalar loop,

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "amx_tiles.h"
+#include "attention_math.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HASTEN_AMX_BF16 1
@@ -101,6 +102,19 @@ at::Tensor bf16_tiles_pack(const at::Tensor& weight) {
       .contiguous();
 }
 
+namespace {
+
+// x [M, K] float32 -> bfloat16 [M rounded up to 32, K], the padding rows zero
+at::Tensor bf16_rows_padded(const at::Tensor& x) {
+  const int64_t m = x.size(0), m_pad = (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  at::Tensor xb = at::empty({m_pad, x.size(1)}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, m).copy_(x);
+  if (m_pad > m) xb.narrow(0, m, m_pad - m).zero_();
+  return xb;
+}
+
+}  // namespace
+
 at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
                   packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
@@ -112,10 +126,8 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
   const int64_t m = x.size(0);
 #if defined(HASTEN_AMX_BF16)
   TORCH_CHECK(amx_ready(), "bf16_tiles_linear: this CPU (or the OS) offers no AMX bfloat16 tiles");
-  const int64_t m_pad = (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  at::Tensor xb = at::empty({m_pad, k}, x.options().dtype(at::kBFloat16));
-  xb.narrow(0, 0, m).copy_(x);
-  if (m_pad > m) xb.narrow(0, m, m_pad - m).zero_();
+  const at::Tensor xb = bf16_rows_padded(x);
+  const int64_t m_pad = xb.size(0);
   at::Tensor y = at::empty({m_pad, n}, x.options());
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
@@ -140,6 +152,52 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
   return y.narrow(0, 0, m);
 #else
   TORCH_CHECK(false, "bf16_tiles_linear: this build has no AMX bfloat16 tiles");
+  return at::Tensor();
+#endif
+}
+
+// silu(gate) * up of y = [gate | up] = x W^T (W packed by bf16_tiles_pack, N = 2 I): each thread takes
+// 16-output blocks of gate with the matching blocks of up (I / 16 further on), runs 32 rows of x
+// against the two (tile_block, as bf16_tiles_linear does: the same sums) into a 32 x 32 buffer, and
+// writes silu_mul_fast16 of each row's 16 pairs. So the result is silu_mul(bf16_tiles_linear(x, W),
+// fast=true) bit for bit, without writing the [M, 2 I] output or reading it back.
+at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
+                  packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
+              "bf16_tiles_linear_silu: packed is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor");
+  const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1), k = k_tiles * kTileK;
+  TORCH_CHECK(n_blocks % 2 == 0, "bf16_tiles_linear_silu: N = 2 I with I a multiple of 16, got N = ",
+              n_blocks * kTileRows);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat,
+              "bf16_tiles_linear_silu: float32 x [M, ", k, "], got ", x.sizes(), " ", x.scalar_type());
+  const int64_t m = x.size(0), inter_blocks = n_blocks / 2, inter = inter_blocks * kTileRows;
+#if defined(HASTEN_AMX_BF16) && defined(__AVX512F__)
+  TORCH_CHECK(amx_ready(), "bf16_tiles_linear_silu: this CPU (or the OS) offers no AMX bfloat16 tiles");
+  const at::Tensor xb = bf16_rows_padded(x.contiguous());
+  const int64_t m_pad = xb.size(0);
+  at::Tensor y = at::empty({m_pad, inter}, x.options());
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  const int64_t block = k_tiles * kTileRows * kTileK;
+  at::parallel_for(0, inter_blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float sums[2 * kTileRows][2 * kTileRows];  // per row: 16 of gate, then 16 of up
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t r = 0; r < m_pad; r += 2 * kTileRows) {
+        tile_block<2>(xp + r * k, k * 2, wp + nb * block, wp + (nb + inter_blocks) * block, k_tiles, sums[0],
+                      sizeof(sums[0]));
+        float* out = yp + r * inter + nb * kTileRows;
+        for (int64_t i = 0; i < 2 * kTileRows; ++i)
+          _mm512_storeu_ps(out + i * inter,
+                           hasten_attention::silu_mul_fast16(_mm512_load_ps(sums[i]), _mm512_load_ps(sums[i] + 16)));
+      }
+    }
+    _tile_release();
+  });
+  return y.narrow(0, 0, m);
+#else
+  TORCH_CHECK(false, "bf16_tiles_linear_silu: this build has no AMX bfloat16 tiles");
   return at::Tensor();
 #endif
 }

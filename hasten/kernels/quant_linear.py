@@ -157,3 +157,9 @@ def bf16_tiles_pack(weight: torch.Tensor) -> torch.Tensor:
 def bf16_tiles_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """y [M, N] = bf16(x) W^T over bf16_tiles_pack's layout on AMX tiles, float32 sums (float32 x and y)."""
     return _module().bf16_tiles_linear(x, packed)
+
+
+def bf16_tiles_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] = bf16_tiles_linear(x, packed) (N = 2 I, I a multiple of 16), taken
+    from the output tiles: bit-identical to silu_mul(bf16_tiles_linear(x, packed), fast=True), [M, I]."""
+    return _module().bf16_tiles_linear_silu(x, packed)

@@ -1,6 +1,7 @@
 """hasten's bfloat16 GEMM on AMX tiles (bf16_tiles_linear, quant_bf16_gemm_tiles): the tile-order
 layout, the kernel against a float64 reference on ragged shapes (within the float32 summation bound),
-and the layers' choice between it and oneDNN's GEMM."""
+the layers' choice between it and oneDNN's GEMM, and SiLU-multiply from its output tiles
+(bf16_tiles_linear_silu, quant_bf16_gemm_silu) against the two calls it replaces."""
 
 from __future__ import annotations
 
@@ -60,6 +61,23 @@ def test_rejects_what_it_cannot_take():
         quant_linear.bf16_tiles_linear(torch.randn(4, 64), torch.randn(16, 64).to(torch.bfloat16))
 
 
+@needs_tiles
+@pytest.mark.parametrize("m,k,inter", [(1, 32, 16), (31, 64, 48), (33, 96, 32), (300, 576, 1536)])
+def test_silu_from_the_tiles_is_the_two_calls_bit_for_bit(m, k, inter):
+    from hasten.kernels import decoder_ops
+
+    gen = torch.Generator().manual_seed(m + k + inter)
+    x = torch.randn(m, k, generator=gen) * 3
+    packed = quant_linear.bf16_tiles_pack(torch.randn(2 * inter, k, generator=gen) * 0.1)
+    y = quant_linear.bf16_tiles_linear_silu(x, packed)
+    gate_up = quant_linear.bf16_tiles_linear(x, packed)
+    assert y.shape == (m, inter) and torch.equal(y, decoder_ops.load().silu_mul(gate_up.contiguous(), True))
+    ref = F.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()  # and it is SiLU-multiply
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="N = 2 I"):
+        quant_linear.bf16_tiles_linear_silu(x, quant_linear.bf16_tiles_pack(torch.randn(48, k)))
+
+
 @needs_kernels
 def test_without_tiles_the_kernel_refuses_cleanly():
     if quant_linear.bf16_tiles_available():
@@ -67,6 +85,8 @@ def test_without_tiles_the_kernel_refuses_cleanly():
     packed = quant_linear.bf16_tiles_pack(torch.randn(16, 64))
     with pytest.raises(RuntimeError, match="AMX"):
         quant_linear.bf16_tiles_linear(torch.randn(4, 64), packed)
+    with pytest.raises(RuntimeError, match="AMX"):
+        quant_linear.bf16_tiles_linear_silu(torch.randn(4, 64), quant_linear.bf16_tiles_pack(torch.randn(32, 64)))
 
 
 @needs_kernels
