@@ -11,7 +11,8 @@ finish - the load of `vllm bench serve --max-concurrency C` without HTTP, the cl
 process. Prints per wave the output tokens/s, when the last request got its first token (the TTFT
 of the last of the requests that arrived together: what a TTFT p99 under that load measures), and
 the time in steps that carried prefill tokens ("mixed") and in pure decode steps; with --parts also
-where a mixed step's time goes inside the C++ layer loop (its per-part timers, ms per mixed step).
+where the time of a mixed and of a decode step goes inside the C++ layer loop (its per-part timers, ms
+per step of each kind).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def wave(engine, prompts: list[list[int]], output: int, tag: str, parts: bool = 
     started: set[str] = set()  # requests with a first token
     last_first = 0.0
     loop = engine.model.loop if parts else None  # the C++ layer loop's per-part timers
-    mixed_parts: dict[str, float] = {}
+    parts_of: dict[str, dict[str, float]] = {"mixed": {}, "decode": {}}
     if loop is not None:
         loop.set_profiling(True)
     t0 = time.perf_counter()
@@ -58,10 +59,10 @@ def wave(engine, prompts: list[list[int]], output: int, tag: str, parts: bool = 
             kind = "decode" if seen["tokens"] == seen["seqs"] else "mixed"
             split[kind][0] += 1
             split[kind][1] += time.perf_counter() - b
-            if loop is not None and kind == "mixed":
+            if loop is not None:
                 for name, sec in loop.timings().items():
                     if name != "calls":
-                        mixed_parts[name] = mixed_parts.get(name, 0.0) + sec - before[name]
+                        parts_of[kind][name] = parts_of[kind].get(name, 0.0) + sec - before[name]
             if len(started) < len(prompts):
                 started.update(r.request_id for r in engine.scheduler.running if r.output_token_ids)
                 if len(started) == len(prompts):
@@ -71,7 +72,8 @@ def wave(engine, prompts: list[list[int]], output: int, tag: str, parts: bool = 
         if loop is not None:
             loop.set_profiling(False)
     total = time.perf_counter() - t0
-    per_step = {k: v / max(1, split["mixed"][0]) * 1e3 for k, v in mixed_parts.items()}
+    per_step = {kind: {k: v / max(1, split[kind][0]) * 1e3 for k, v in parts.items()}
+                for kind, parts in parts_of.items()}
     return {"tok_s": len(prompts) * output / total, "seconds": total, "last_first": last_first, "parts": per_step,
             **split}
 
@@ -83,7 +85,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--parts", action="store_true", help="per-part times of the mixed steps (C++ layer loop)")
+    ap.add_argument("--parts", action="store_true", help="per-part times of the mixed and decode steps (C++ layer loop)")
     args = ap.parse_args()
     from hasten import LLM
 
@@ -100,8 +102,9 @@ def main() -> None:
                   f"last first token {w['last_first']:.2f} s  "
                   f"mixed {w['mixed'][0]} steps {w['mixed'][1]:.2f} s  decode {w['decode'][0]} steps "
                   f"{w['decode'][1]:.2f} s ({w['decode'][1] / max(1, w['decode'][0]) * 1e3:.1f} ms/step)", flush=True)
-            if w["parts"]:
-                print("    per mixed step: " + "  ".join(f"{k} {v:.1f} ms" for k, v in w["parts"].items()), flush=True)
+            for kind, parts in w["parts"].items():
+                if parts:
+                    print(f"    per {kind} step: " + "  ".join(f"{k} {v:.1f} ms" for k, v in parts.items()), flush=True)
 
 
 if __name__ == "__main__":
