@@ -85,6 +85,32 @@ inline uint16_t bf16_of_code(int8_t c) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// r[j] (16 dwords each) -> r[c] holding dword c of every r[j], in place: unpacks of dword and qword
+// pairs give, per 128-bit lane L, dword 4L + x of 4 rows; a 4 x 4 shuffle of lanes finishes it.
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i a[8], b[8], q[4][4];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);  // lane L: dwords 4L, 4L + 1 of rows 2i, 2i + 1
+    b[i] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);  // lane L: dwords 4L + 2, 4L + 3
+  }
+  for (int g = 0; g < 4; ++g) {  // q[g][x], lane L: dword 4L + x of rows 4g .. 4g + 3
+    q[g][0] = _mm512_unpacklo_epi64(a[2 * g], a[2 * g + 1]);
+    q[g][1] = _mm512_unpackhi_epi64(a[2 * g], a[2 * g + 1]);
+    q[g][2] = _mm512_unpacklo_epi64(b[2 * g], b[2 * g + 1]);
+    q[g][3] = _mm512_unpackhi_epi64(b[2 * g], b[2 * g + 1]);
+  }
+  for (int x = 0; x < 4; ++x) {
+    const __m512i s0 = _mm512_shuffle_i32x4(q[0][x], q[1][x], 0x44), s1 = _mm512_shuffle_i32x4(q[0][x], q[1][x], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(q[2][x], q[3][x], 0x44), s3 = _mm512_shuffle_i32x4(q[2][x], q[3][x], 0xEE);
+    r[x] = _mm512_shuffle_i32x4(s0, s2, 0x88);  // dword x of every row
+    r[4 + x] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[8 + x] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[12 + x] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+#endif
+
 // Packs keys [16 u, 16 u + 16) of kv head h of one sequence (block table `table`, ctx tokens) from
 // the int8 cache pool (rows of D + 4 bytes, KVH heads per token, BS tokens per block) into dst. With
 // bf16_pv, `pairs` (if given) takes the value pairs instead of the unit's own tail (attention_amx.h).
@@ -96,9 +122,37 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
   float* scales = reinterpret_cast<float*>(sums + kUnitKeys);
   float* values = scales + kUnitKeys;  // float32 units; bf16_pv: the value scales, then the pairs
   uint16_t* vpairs = pairs != nullptr ? pairs : reinterpret_cast<uint16_t*>(values + kUnitKeys);
+  const int8_t* krow[kUnitKeys];
+  const int8_t* vrow[kUnitKeys];  // nullptr: past ctx (zeros)
   for (int64_t j = 0; j < kUnitKeys; ++j) {
     const int64_t pos = u * kUnitKeys + j;
-    if (pos >= ctx) {
+    const int64_t row = pos < ctx ? ((static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * KVH + h) * P : -1;
+    krow[j] = row >= 0 ? kp + row : nullptr;
+    vrow[j] = row >= 0 ? vp + row : nullptr;
+  }
+  bool keys_done = false;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if (D % 64 == 0 && krow[kUnitKeys - 1] != nullptr) {  // a full unit: 16 rows of 64 codes at a time
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t part = 0; part < D / 64; ++part) {
+      __m512i r[kUnitKeys];
+      for (int64_t j = 0; j < kUnitKeys; ++j) r[j] = _mm512_loadu_si512(krow[j] + 64 * part);
+      transpose16x16_epi32(r);
+      for (int c = 0; c < 16; ++c) {
+        _mm512_storeu_si512(codes + (16 * part + c) * kUnitKeys, r[c]);
+        sum = _mm512_dpbusd_epi32(sum, ones, r[c]);  // per key: the sum of its 4 codes in this dword
+      }
+    }
+    _mm512_storeu_si512(sums, _mm512_slli_epi32(sum, 7));  // 128 * sum
+    for (int64_t j = 0; j < kUnitKeys; ++j) scales[j] = int8_row_scale(krow[j], D);
+    keys_done = true;
+  }
+#endif
+  for (int64_t j = 0; j < kUnitKeys; ++j) {
+    const int8_t* k = krow[j];
+    const int8_t* v = vrow[j];
+    if (k == nullptr) {
       for (int64_t c = 0; c < D / 4; ++c) codes[c * kUnitKeys + j] = 0;
       sums[j] = 0;
       scales[j] = 0.0f;
@@ -110,14 +164,13 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
       }
       continue;
     }
-    const int64_t row = ((static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * KVH + h) * P;
-    const int8_t* k = kp + row;
-    const int8_t* v = vp + row;
-    int32_t sum = 0;
-    for (int64_t d = 0; d < D; ++d) sum += k[d];
-    for (int64_t c = 0; c < D / 4; ++c) std::memcpy(codes + c * kUnitKeys + j, k + 4 * c, 4);
-    sums[j] = 128 * sum;
-    scales[j] = int8_row_scale(k, D);
+    if (!keys_done) {
+      int32_t sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += k[d];
+      for (int64_t c = 0; c < D / 4; ++c) std::memcpy(codes + c * kUnitKeys + j, k + 4 * c, 4);
+      sums[j] = 128 * sum;
+      scales[j] = int8_row_scale(k, D);
+    }
     const float vs = int8_row_scale(v, D);
     if (bf16_pv) {
       values[j] = vs;
