@@ -57,17 +57,17 @@ inline void configure_attention_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// 16 query rows (codes q + 128 at qcodes, D bytes per row; scales sq; newest visible key positions
-// last) over the units up to the newest any of them sees (`unit_base` + u * unit_stride bytes each,
-// their value pairs from `pairs`); writes the first `rows` rows' normalised outputs (D floats) to
-// out[r]. The tiles must be configured (configure_attention_tiles).
+// `rows` <= 16 query rows (codes q + 128 at qcodes, D bytes per row, 16 rows readable; scales sq;
+// newest visible key positions last) over the units up to the newest any of them sees (`unit_base` +
+// u * unit_stride bytes each, their value pairs from `pairs`); writes their normalised outputs (D
+// floats) to out[r]. The tiles must be configured (configure_attention_tiles).
 template <int DT>  // D = 64 DT
 inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int rows,
                              const uint8_t* unit_base, int64_t unit_stride, const uint16_t* pairs,
                              float* const* out) {
   constexpr int64_t D = 64 * DT, CK = kChunkUnits * kUnitKeys;
   int64_t newest = 0;
-  for (int r = 0; r < kAmxRows; ++r) newest = std::max(newest, last[r]);
+  for (int r = 0; r < rows; ++r) newest = std::max(newest, last[r]);
   const int64_t units = newest / kUnitKeys + 1;
   alignas(64) int32_t scores[kAmxRows][CK];  // int32 dot products, then (in place) the scaled scores
   alignas(64) uint16_t weights[kAmxRows][CK];
@@ -75,11 +75,14 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
   alignas(64) float acc[kAmxRows][D];
   float m[kAmxRows], l[kAmxRows], corr[kAmxRows];
   __mmask16 seen[kAmxRows][kChunkUnits];
-  for (int r = 0; r < kAmxRows; ++r) {
+  for (int r = 0; r < rows; ++r) {
     std::fill(acc[r], acc[r] + D, 0.0f);
     m[r] = -1e30f;
     l[r] = 0.0f;
   }
+  // rows past `rows` (a decode's G rows, a tile's last rows) go through the tiles with zero weights;
+  // the scalar work (softmax, rescale, output) is done for the first `rows` only
+  for (int r = rows; r < kAmxRows; ++r) std::fill(weights[r], weights[r] + CK, 0);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 lowest = _mm512_set1_ps(-1e30f);
   if constexpr (DT == 1) _tile_loadd(1, qcodes, D);
@@ -106,7 +109,7 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
       _tile_stored(0, scores[0] + i * kUnitKeys, CK * 4);
       _tile_stored(5, scores[0] + (i + 1) * kUnitKeys, CK * 4);  // past nu: never read
     }
-    for (int r = 0; r < kAmxRows; ++r) {
+    for (int r = 0; r < rows; ++r) {
       float* s = reinterpret_cast<float*>(scores[r]);
       const __m512i limit = _mm512_set1_epi32(static_cast<int32_t>(last[r]));
       __m512 vmax = lowest;
@@ -136,7 +139,7 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
       m[r] = mx;
     }
     if (nu % 2 == 1)  // the pair's second unit is past the chunk: no weight
-      for (int r = 0; r < kAmxRows; ++r) std::fill(weights[r] + nu * kUnitKeys, weights[r] + (nu + 1) * kUnitKeys, 0);
+      for (int r = 0; r < rows; ++r) std::fill(weights[r] + nu * kUnitKeys, weights[r] + (nu + 1) * kUnitKeys, 0);
     for (int half = 0; half < DT; ++half) {  // 64 dims (four 16 x 16 tiles of sums) at a time
       _tile_zero(0);
       _tile_zero(5);
@@ -160,7 +163,7 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
       _tile_stored(6, p + 32, D * 4);
       _tile_stored(7, p + 48, D * 4);
     }
-    for (int r = 0; r < kAmxRows; ++r) {
+    for (int r = 0; r < rows; ++r) {
       const __m512 vc = _mm512_set1_ps(corr[r]);
       for (int64_t c = 0; c < D; c += 16)
         _mm512_store_ps(acc[r] + c, _mm512_fmadd_ps(_mm512_load_ps(acc[r] + c), vc, _mm512_load_ps(part[r] + c)));

@@ -315,11 +315,7 @@ void attend_tile_int8(const scalar_t* q, int64_t q0, int64_t n, int64_t ctx, int
       }
     }
 #if defined(HASTEN_AMX_ATTENTION)
-    if (amx) {
-      for (int64_t r = rows; r < padded; ++r) {  // rows past the item's: scores 0, outputs not written
-        sq[r] = 0.0f;
-        last[r] = last[rows - 1];
-      }
+    if (amx) {  // the codes of whole 16-row passes are read (rows past `rows`: not used)
       const int64_t ub = amx_unit_bytes(D), kvh = H / G;
       const uint8_t* pairs = units + kvh * count * ub + h * count * amx_pair_bytes(D);
       attend_int8_rows_amx(codes.data(), sq.data(), last.data(), rows, D, units + h * count * ub, ub,
