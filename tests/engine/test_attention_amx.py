@@ -11,7 +11,12 @@ import torch
 from hasten import LLM
 from hasten.kernels import cpu_attention
 from tests.engine.test_attention_kernel import attention_on_threads, make_inputs, reference
-from tests.engine.test_int8_kv_cache import INT8_SCORE_CASES, int8_inputs, round_queries
+from tests.engine.test_int8_kv_cache import (
+    INT8_SCORE_CASES,
+    int8_inputs,
+    int8_prefill_engine_args,
+    round_queries,
+)
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="C++ kernels cannot be built here")
 
@@ -80,9 +85,7 @@ def test_amx_switch_resolves(monkeypatch):
 def test_engine_with_tiles_stays_with_the_bf16_pv_path(tiny_models):
     from tests.quant.wide_paths import assert_loops_agree, prompt_logprob_gap
 
-    path = tiny_models("llama", hidden_size=128, num_heads=2, num_kv_heads=1)  # head_dim 64
-    kw = dict(kv_cache_dtype="int8", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24,
-              attention_int8_scores_min_rows=4)
+    path, kw = int8_prefill_engine_args(tiny_models)
     if not taken_here():  # a CPU or build without the tiles: auto is off, on refused
         assert LLM(path, **kw).engine.model.prefill_attention.amx is False
         with pytest.raises(ValueError, match="AMX-INT8"):

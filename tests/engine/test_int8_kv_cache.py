@@ -162,6 +162,14 @@ INT8_SCORE_CASES = [
 ]
 
 
+def int8_prefill_engine_args(tiny_models) -> tuple[str, dict]:
+    """A tiny model with head_dim 64 and engine options under which its prefill chunks (24-token steps,
+    from 4 rows) take the int8 cache's integer-score paths: for the tests of those paths' switches."""
+    path = tiny_models("llama", hidden_size=128, num_heads=2, num_kv_heads=1)
+    return path, dict(kv_cache_dtype="int8", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24,
+                      attention_int8_scores_min_rows=4)
+
+
 def round_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
     """The queries attention_int8_scores.h computes with: q * scale rounded to int8 per row (absmax /
     127, half to even), divided by scale again so that reference() may apply it."""
