@@ -113,12 +113,17 @@ at::Tensor bf16_rows_padded(const at::Tensor& x) {
   return xb;
 }
 
+// `fn`'s check that `packed` is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor
+void check_packed(const at::Tensor& packed, const char* fn) {
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
+                  packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
+              fn, ": packed is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor");
+}
+
 }  // namespace
 
 at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
-                  packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
-              "bf16_tiles_linear: packed is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor");
+  check_packed(packed, "bf16_tiles_linear");
   const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1);
   const int64_t n = n_blocks * kTileRows, k = k_tiles * kTileK;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "bf16_tiles_linear: x [M, ", k, "], got ", x.sizes());
@@ -162,9 +167,7 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
 // writes silu_mul_fast16 of each row's 16 pairs. So the result is silu_mul(bf16_tiles_linear(x, W),
 // fast=true) bit for bit, without writing the [M, 2 I] output or reading it back.
 at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
-                  packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
-              "bf16_tiles_linear_silu: packed is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor");
+  check_packed(packed, "bf16_tiles_linear_silu");
   const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1), k = k_tiles * kTileK;
   TORCH_CHECK(n_blocks % 2 == 0, "bf16_tiles_linear_silu: N = 2 I with I a multiple of 16, got N = ",
               n_blocks * kTileRows);
