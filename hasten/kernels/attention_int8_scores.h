@@ -200,21 +200,14 @@ inline void pack_unit(const int8_t* kp, const int8_t* vp, const int32_t* table, 
 template <typename scalar_t>
 inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_t* out) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (D % 16 == 0) {  // quantize_int8_row's operations in registers (no store and reload of the codes)
-      __m512 x[16];
-      __m512 vmax = _mm512_setzero_ps();
+    if (D % 16 == 0) {  // quantize_int8_row's rounding, the codes flipped as they are stored (no staging row)
       const __m512 s = _mm512_set1_ps(scale);
-      for (int64_t i = 0; i < D / 16; ++i) {
-        x[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), s);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x[i]));
-      }
-      const float amax = _mm512_reduce_max_ps(vmax);
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-      for (int64_t i = 0; i < D / 16; ++i)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * i),
-                         _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv))), flip));
-      return amax / 127.0f;
+      return quantize_int8_vectors(
+          D / 16, [&](int64_t i) { return _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), s); },
+          [&](int64_t i, __m128i codes) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * i), _mm_xor_si128(codes, flip));
+          });
     }
   }
   float x[256];

@@ -113,18 +113,29 @@ constexpr int64_t head_row(int64_t D) {
   return std::is_same_v<C, int8_t> ? D + kInt8ScaleBytes : D;
 }
 
+#if defined(__AVX512F__)
+// quantize_int8_row's rounding on 16 lanes (cvtps rounds to nearest even) for a row of n16 vectors
+// that load(i) yields (called twice per vector: for the absmax, then for the codes); store(i, codes)
+// takes each vector's 16 codes. Returns the row's scale. quantize_int8_row and the int8-score queries
+// (attention_int8_scores.h), which must round alike, both go through it.
+template <typename Load, typename Store>
+inline float quantize_int8_vectors(int64_t n16, Load load, Store store) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n16; ++i) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load(i)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  for (int64_t i = 0; i < n16; ++i) store(i, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(load(i), inv))));
+  return amax / 127.0f;
+}
+#endif
+
 // x[0 .. D) as int8 codes and their scale into row (D + 4 bytes): symmetric, round to nearest (even).
 inline void quantize_int8_row(const float* x, int64_t D, int8_t* row) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 256) {  // the same operations on 16 lanes (cvtps rounds to nearest even)
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float scale = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    for (int64_t i = 0; i < D; i += 16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + i),
-                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv))));
+  if (D % 16 == 0 && D <= 256) {
+    const float scale = quantize_int8_vectors(
+        D / 16, [&](int64_t i) { return _mm512_loadu_ps(x + 16 * i); },
+        [&](int64_t i, __m128i codes) { _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16 * i), codes); });
     std::memcpy(row + D, &scale, sizeof(scale));
     return;
   }
