@@ -399,9 +399,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t max_members = window > 0 ? 1 : std::min(max_group, (decodes + 2 * threads - 1) / (2 * threads));
   const Groups groups = find_groups(tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(), S, sh.BS,
                                     sh.max_blocks, max_members);
+  // query tokens per tile of sequence s (the integer-score sequences' own on the AMX tiles)
+  auto tile_of = [&](int64_t s) { return unit_offset[s] >= 0 ? int8_q_tile : q_tile; };
   int64_t tiles = static_cast<int64_t>(groups.spans.size());
   for (int64_t s = 0; s < S; ++s)
-    if (!groups.grouped[s] && !wide[s]) tiles += (qs[s + 1] - qs[s] + q_tile - 1) / q_tile;
+    if (!groups.grouped[s] && !wide[s]) tiles += (qs[s + 1] - qs[s] + tile_of(s) - 1) / tile_of(s);
   // All kv heads in one item read each cache block as one contiguous run; split heads only when
   // there are too few tiles to keep every thread busy.
   const int64_t heads_per_item = tiles >= 4 * threads ? sh.KVH : 1;
@@ -414,9 +416,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     if (groups.grouped[s] || wide[s]) continue;
     const int64_t n = qs[s + 1] - qs[s];
     if (unit_offset[s] >= 0) {  // integer scores: the last tiles (the most keys) first, so no thread
-      for (int64_t t0 = (n - 1) / int8_q_tile * int8_q_tile; t0 >= 0; t0 -= int8_q_tile)  // is left with a long
-        for (int64_t h = 0; h < sh.KVH; h += heads_per_item)                            // one at the end
-          items.push_back({s, t0, std::min(n, t0 + int8_q_tile), h, std::min(sh.KVH, h + heads_per_item)});
+      for (int64_t t0 = (n - 1) / tile_of(s) * tile_of(s); t0 >= 0; t0 -= tile_of(s))  // is left with a long
+        for (int64_t h = 0; h < sh.KVH; h += heads_per_item)                         // one at the end
+          items.push_back({s, t0, std::min(n, t0 + tile_of(s)), h, std::min(sh.KVH, h + heads_per_item)});
       continue;
     }
     for (int64_t t0 = 0; t0 < n; t0 += q_tile)
