@@ -21,7 +21,7 @@
 #include "amx_tiles.h"
 #include "attention_math.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define HASTEN_AMX_BF16 1
 #endif
 
@@ -104,20 +104,28 @@ at::Tensor bf16_tiles_pack(const at::Tensor& weight) {
 
 namespace {
 
-// x [M, K] float32 -> bfloat16 [M rounded up to 32, K], the padding rows zero
-at::Tensor bf16_rows_padded(const at::Tensor& x) {
-  const int64_t m = x.size(0), m_pad = (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  at::Tensor xb = at::empty({m_pad, x.size(1)}, x.options().dtype(at::kBFloat16));
-  xb.narrow(0, 0, m).copy_(x);
-  if (m_pad > m) xb.narrow(0, m, m_pad - m).zero_();
-  return xb;
-}
-
 // `fn`'s check that `packed` is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor
 void check_packed(const at::Tensor& packed, const char* fn) {
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kTileK / 2 &&
                   packed.size(3) == kTileRows && packed.size(4) == 2 && packed.is_contiguous(),
               fn, ": packed is bf16_tiles_pack's [N / 16, K / 32, 16, 16, 2] bfloat16 tensor");
+}
+
+// `fn`'s check of x (float32 [M, K]) and of the tiles, then x as the tiles read it: bfloat16
+// [M rounded up to 32, K], the padding rows zero
+at::Tensor tile_rows_of(const at::Tensor& x, int64_t k, const char* fn) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, fn, ": float32 x [M, ", k, "], got ",
+              x.sizes(), " ", x.scalar_type());
+#if defined(HASTEN_AMX_BF16)
+  TORCH_CHECK(amx_ready(), fn, ": this CPU (or the OS) offers no AMX bfloat16 tiles");
+#else
+  TORCH_CHECK(false, fn, ": this build has no AMX bfloat16 tiles");
+#endif
+  const int64_t m = x.size(0), m_pad = (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  at::Tensor xb = at::empty({m_pad, k}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, m).copy_(x);
+  if (m_pad > m) xb.narrow(0, m, m_pad - m).zero_();
+  return xb;
 }
 
 }  // namespace
@@ -126,13 +134,9 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
   check_packed(packed, "bf16_tiles_linear");
   const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1);
   const int64_t n = n_blocks * kTileRows, k = k_tiles * kTileK;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "bf16_tiles_linear: x [M, ", k, "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16_tiles_linear: float32 x");
-  const int64_t m = x.size(0);
+  const at::Tensor xb = tile_rows_of(x, k, "bf16_tiles_linear");
+  const int64_t m = x.size(0), m_pad = xb.size(0);
 #if defined(HASTEN_AMX_BF16)
-  TORCH_CHECK(amx_ready(), "bf16_tiles_linear: this CPU (or the OS) offers no AMX bfloat16 tiles");
-  const at::Tensor xb = bf16_rows_padded(x);
-  const int64_t m_pad = xb.size(0);
   at::Tensor y = at::empty({m_pad, n}, x.options());
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
@@ -156,8 +160,7 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed) {
   });
   return y.narrow(0, 0, m);
 #else
-  TORCH_CHECK(false, "bf16_tiles_linear: this build has no AMX bfloat16 tiles");
-  return at::Tensor();
+  return at::Tensor();  // (tile_rows_of has refused)
 #endif
 }
 
@@ -171,13 +174,9 @@ at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed)
   const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1), k = k_tiles * kTileK;
   TORCH_CHECK(n_blocks % 2 == 0, "bf16_tiles_linear_silu: N = 2 I with I a multiple of 16, got N = ",
               n_blocks * kTileRows);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat,
-              "bf16_tiles_linear_silu: float32 x [M, ", k, "], got ", x.sizes(), " ", x.scalar_type());
-  const int64_t m = x.size(0), inter_blocks = n_blocks / 2, inter = inter_blocks * kTileRows;
-#if defined(HASTEN_AMX_BF16) && defined(__AVX512F__)
-  TORCH_CHECK(amx_ready(), "bf16_tiles_linear_silu: this CPU (or the OS) offers no AMX bfloat16 tiles");
-  const at::Tensor xb = bf16_rows_padded(x.contiguous());
-  const int64_t m_pad = xb.size(0);
+  const at::Tensor xb = tile_rows_of(x, k, "bf16_tiles_linear_silu");
+  const int64_t m = x.size(0), m_pad = xb.size(0), inter_blocks = n_blocks / 2, inter = inter_blocks * kTileRows;
+#if defined(HASTEN_AMX_BF16)
   at::Tensor y = at::empty({m_pad, inter}, x.options());
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
@@ -200,7 +199,6 @@ at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed)
   });
   return y.narrow(0, 0, m);
 #else
-  TORCH_CHECK(false, "bf16_tiles_linear_silu: this build has no AMX bfloat16 tiles");
-  return at::Tensor();
+  return at::Tensor();  // (tile_rows_of has refused)
 #endif
 }
