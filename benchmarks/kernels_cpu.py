@@ -1,6 +1,7 @@
 """hasten's C++ CPU kernels against the PyTorch paths they replace, side by side, with ratios.
 
     python benchmarks/kernels_cpu.py [--threads 2] [--repeats 5] [--skip-engine] [--int8-attention-only]
+                                     [--int8-decode-only]
 
 1. paged attention, 64 decode sequences (contexts 32-700, SmolLM2 heads: 9 q / 3 kv, D=64,
    blocks scattered in a 4,000-block pool): C++ kernel vs index_select gather + SDPA, and the
@@ -8,7 +9,10 @@
 2. one 512-token causal prefill: kernel vs SDPA; a 256-token prefill over 30 layers of an int8
    cache (kv_cache_dtype=int8), and a second 256-token chunk after it: the float path vs
    attention_int8_scores (q rounded to int8, VNNI) vs that with attention_bf16_pv (AVX512-BF16) vs
-   that on AMX tiles (attention_amx: AMX-INT8 scores, AMX-BF16 P V);
+   that on AMX tiles (attention_amx: AMX-INT8 scores, AMX-BF16 P V); 32 decode sequences (contexts
+   256-384, blocks scattered) over an int8 cache: the float path vs attention_int8_decode (q rounded
+   to int8, the key codes read in place, VNNI), over one layer's pool (cache-resident) and over 30
+   layers' pools (~125 MB read per step: from memory, as in a 32-request decode step);
 3. SiLU-multiply of a 512-token step over 30 layers (512 x 2 x 1536): the C++ op with its vectorized
    exp (fast=True, what int8-activation layers get) vs the exact op vs F.silu(gate) * up;
 4. int4 matmuls of one SmolLM2 layer (qkv, o, gate_up, down) at 1 and 16 rows: hasten (float
@@ -116,6 +120,37 @@ def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict
     return out
 
 
+def attention_decode_int8(repeats: int, seqs: int = 32, layers: int = 30) -> dict[tuple[int, str], float] | None:
+    """ms for `seqs` decodes' attention over an int8 cache, one layer's pool called `layers` times and
+    `layers` pools called once each: the float path and attention_int8_decode, keyed by (pools, path);
+    None where this build has no such path (no AVX-512 VNNI)."""
+    from hasten.kernels import cpu_attention
+
+    if not cpu_attention.int8_decode_available():
+        return None
+    rng = random.Random(1)
+    bs, kvh, heads, d = 16, 3, 9, 64
+    ctx = [rng.randint(256, 384) for _ in range(seqs)]
+    width = max(-(-c // bs) for c in ctx)
+    pool = seqs * width + 5
+
+    def one_layer() -> tuple:
+        tables = torch.randperm(pool)[: seqs * width].view(seqs, width).to(torch.int32)
+        return (torch.randn(seqs, heads, d), int8_rows(torch.randn(pool, bs, kvh, d)),
+                int8_rows(torch.randn(pool, bs, kvh, d)), tables, torch.arange(seqs + 1), torch.tensor(ctx))
+
+    out: dict[tuple[int, str], float] = {}
+    first = one_layer()
+    for pools, calls in ((1, [first] * layers), (layers, [first] + [one_layer() for _ in range(layers - 1)])):
+        for name, flag in (("float", False), ("int8 decode", True)):
+            def run(calls: list = calls, flag: bool = flag) -> None:
+                for q, k, v, tables, qs, cl in calls:
+                    cpu_attention.paged_attention(q, k, v, tables, qs, cl, 0.125, int8_decode=flag)
+
+            out[pools, name] = best_ms(run, repeats, 2)
+    return out
+
+
 def silu_mul_step(repeats: int, rows: int = 512, inter: int = 1536, layers: int = 30) -> dict[str, float]:
     """ms for `layers` SiLU-multiplies of [rows, 2 * inter]: the C++ op fast / exact, and PyTorch."""
     from hasten.kernels import decoder_ops
@@ -182,18 +217,32 @@ def print_int8_attention(repeats: int) -> None:
             f"{name}, {keys} keys {ms:6.2f} ms ({int8[keys, 'float'] / ms:4.2f}x)" for (keys, name), ms in int8.items()))
 
 
+def print_int8_decode(repeats: int) -> None:
+    t = attention_decode_int8(repeats)
+    if t is None:
+        print("attention, int8 cache, 32 decodes: no int8-decode path in this build (AVX-512 VNNI)")
+        return
+    for pools, where in ((1, "one pool (in cache)"), (30, "30 pools (from memory)")):
+        print(f"attention, int8 cache, 32 decodes x 30 layers, {where}: float {t[pools, 'float']:6.2f} ms  "
+              f"int8 decode {t[pools, 'int8 decode']:6.2f} ms ({t[pools, 'float'] / t[pools, 'int8 decode']:4.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--int8-attention-only", action="store_true", help="part 2's int8-cache prefill only")
+    ap.add_argument("--int8-decode-only", action="store_true", help="part 2's int8-cache decodes only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads={torch.get_num_threads()}  (best of {args.repeats}; ratio = PyTorch path / hasten kernel)")
     if args.int8_attention_only:
         print_int8_attention(args.repeats)
+        return
+    if args.int8_decode_only:
+        print_int8_decode(args.repeats)
         return
     kernel, sdpa, half = attention_decode(args.repeats)
     print(f"attention, 64 decode seqs, one layer : kernel {kernel:7.2f} ms  gather+SDPA {sdpa:7.2f} ms  "
@@ -202,6 +251,7 @@ def main() -> None:
     print(f"attention, 512-token prefill, 1 layer: kernel {kernel:7.2f} ms  SDPA        {sdpa:7.2f} ms  "
           f"ratio {sdpa / kernel:5.2f}x")
     print_int8_attention(args.repeats)
+    print_int8_decode(args.repeats)
     t = silu_mul_step(args.repeats)
     print(f"SiLU-multiply, 512 x 1536, 30 layers   : fast {t['fast']:6.2f} ms  exact {t['exact']:6.2f} ms  "
           f"PyTorch {t['torch']:6.2f} ms  ratio PyTorch/fast {t['torch'] / t['fast']:4.2f}x")

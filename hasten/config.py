@@ -109,6 +109,10 @@ class EngineConfig:
     # scores and bfloat16 weights): auto = on where the CPU has AMX-INT8 and AMX-BF16 | on (an error where it
     # has not) | off
     attention_amx: str = "auto"
+    # cpp, int8 KV cache: the other sequences (decodes, chunks under attention_int8_scores_min_rows) have q
+    # rounded to int8 the same way and score against the key codes read in place from the pool, AVX-512 VNNI:
+    # auto = on for an int8 cache where the kernels have the path | on (an error where they do not) | off
+    attention_int8_decode: str = "auto"
     # cpp attention: in a step without prompt logprobs or hidden-state readers, the last layer writes every
     # row's keys and values but runs attention, o_proj and the MLP only for the rows whose logits are sampled
     last_layer_sampled_rows: bool = True

@@ -36,6 +36,7 @@ def paged_attention(
     int8_rows: int = 0,
     int8_bf16_pv: bool = False,
     int8_tiles: bool = False,
+    int8_decode: bool = False,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -53,12 +54,16 @@ def paged_attention(
     times the value scales, are rounded to bfloat16 and P V taken as bfloat16 dot products with the
     value codes (AVX512-BF16 builds; elsewhere ignored). int8_tiles: those sequences on AMX tiles
     (attention_amx.h: TDPBUSD scores, TDPBF16PS P V with the weights of int8_bf16_pv, which it implies;
-    head_dim 64 or 128, a CPU with AMX-INT8 and AMX-BF16; elsewhere ignored)."""
+    head_dim 64 or 128, a CPU with AMX-INT8 and AMX-BF16; elsewhere ignored). int8_decode (an int8
+    cache, head_dim a multiple of 32 up to 256, a build with AVX-512 VNNI; elsewhere ignored): the other
+    sequences without a soft cap or a window short of key 0 (decodes, chunks under int8_rows) have their
+    query rows rounded the same way and score against the key codes read in place from the pool
+    (attention_int8_decode.h: no packing), P V in float32."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                               window, softcap, wide_rows, int8_rows, int8_bf16_pv, int8_tiles)
+                               window, softcap, wide_rows, int8_rows, int8_bf16_pv, int8_tiles, int8_decode)
 
 
 def amx_attention_available() -> bool:
@@ -77,3 +82,9 @@ def int8_scores_available() -> bool:
     """Whether this build has the VNNI path of paged_attention's int8_rows."""
     mod = _ext.module or load()
     return mod is not None and bool(mod.attention_int8_has_tiles())
+
+
+def int8_decode_available() -> bool:
+    """Whether this build has the VNNI path of paged_attention's int8_decode."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.attention_int8_decode_has_tiles())

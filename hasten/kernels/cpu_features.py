@@ -104,6 +104,23 @@ def resolve_amx_attention(mode: str, bf16_pv: bool) -> bool:
     return False
 
 
+def resolve_int8_decode(mode: str, int8_cache: bool) -> bool:
+    """attention_int8_decode (auto | on | off) -> paged_attention's int8_decode. auto is on for an int8
+    KV cache where the kernels built with its VNNI path; on asks for that path (an int8 cache is still
+    needed for it to apply)."""
+    check_mode("attention_int8_decode", mode)
+    if mode == "off" or (mode == "auto" and not int8_cache):
+        return False
+    from hasten.kernels.cpu_attention import int8_decode_available
+
+    if int8_decode_available():
+        return True
+    if mode == "on":
+        raise ValueError("attention_int8_decode=on needs the C++ kernels built with AVX-512 VNNI (this build has "
+                         "no such path); use auto or off")
+    return False
+
+
 def resolve_int8_attention_rows(mode: str, min_rows: int, int8_cache: bool) -> int:
     """attention_int8_scores (auto | on | off) and its row threshold -> paged_attention's int8_rows (0:
     off). auto is on for an int8 KV cache where the kernels built with the VNNI path; on asks for that

@@ -43,13 +43,17 @@ bool bf16_tiles_available();
 // wide_rows > 0: sequences with that many new tokens in bfloat16 SDPA; int8_rows > 0: sequences with
 // that many new tokens over an int8 cache score q rounded to int8 against the key codes, VNNI;
 // int8_bf16_pv: their P V in bfloat16 dot products, AVX512-BF16; int8_tiles: those rows on AMX tiles,
-// TDPBUSD scores and TDPBF16PS P V, where the CPU has AMX-INT8 and AMX-BF16)
+// TDPBUSD scores and TDPBF16PS P V, where the CPU has AMX-INT8 and AMX-BF16; int8_decode: the other
+// sequences over an int8 cache (decodes, short chunks) score q rounded to int8 against the key codes
+// read in place, VNNI)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window = 0, double softcap = 0.0, int64_t wide_rows = 0,
-                           int64_t int8_rows = 0, bool int8_bf16_pv = false, bool int8_tiles = false);
+                           int64_t int8_rows = 0, bool int8_bf16_pv = false, bool int8_tiles = false,
+                           bool int8_decode = false);
 bool attention_int8_has_tiles();
+bool attention_int8_decode_has_tiles();
 bool attention_amx_available();
 bool attention_bf16_pv_has_tiles();
 

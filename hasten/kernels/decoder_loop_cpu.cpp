@@ -253,7 +253,7 @@ class DecoderLoop {
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], picked ? (*rows)[1] : block_tables,
                                         picked ? (*rows)[2] : query_start, picked ? (*rows)[3] : context_lens, scale_, 8,
                                         attention_group_, lw.window, 0.0, wide_attention_rows_, int8_attention_rows_,
-                                        bf16_pv_, int8_tiles_);
+                                        bf16_pv_, int8_tiles_, int8_decode_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -294,6 +294,9 @@ class DecoderLoop {
   // paged_attention's int8_tiles: those sequences on AMX tiles
   void set_int8_tiles(bool on) { int8_tiles_ = on; }
 
+  // paged_attention's int8_decode: the other sequences over an int8 cache score in int8, in place
+  void set_int8_decode(bool on) { int8_decode_ = on; }
+
   // silu_mul's vectorized exp (~2 ulp) for every call whose down projection rounds its input anyway
   void set_fast_silu(bool on) { fast_silu_ = on; }
 
@@ -328,6 +331,7 @@ class DecoderLoop {
   bool gemm_silu_ = false;
   bool bf16_pv_ = false;
   bool int8_tiles_ = false;
+  bool int8_decode_ = false;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
 };
@@ -371,7 +375,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
         arg("window") = 0, arg("softcap") = 0.0, arg("wide_rows") = 0, arg("int8_rows") = 0,
-        arg("int8_bf16_pv") = false, arg("int8_tiles") = false, "Paged attention over a block pool (CPU)");
+        arg("int8_bf16_pv") = false, arg("int8_tiles") = false, arg("int8_decode") = false,
+        "Paged attention over a block pool (CPU)");
+  m.def("attention_int8_decode_has_tiles", &attention_int8_decode_has_tiles,
+        "whether this build scores decode rows over an int8 cache with AVX-512 VNNI (paged_attention's int8_decode)");
   m.def("attention_int8_has_tiles", &attention_int8_has_tiles,
         "whether this build scores prefill rows over an int8 cache with AVX-512 VNNI (paged_attention's int8_rows)");
   m.def("attention_amx_available", &attention_amx_available,
@@ -415,6 +422,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "P V of the int8-scored sequences in bfloat16 dot products (paged_attention's int8_bf16_pv)")
       .def("set_int8_tiles", &DecoderLoop::set_int8_tiles,
            "the int8-scored sequences on AMX tiles (paged_attention's int8_tiles)")
+      .def("set_int8_decode", &DecoderLoop::set_int8_decode,
+           "the other sequences over an int8 cache score in int8, in place (paged_attention's int8_decode)")
       .def("set_gemm_silu", &DecoderLoop::set_gemm_silu,
            "gate_up calls on the AMX bfloat16 kernel apply the fast SiLU to their output tiles")
       .def("set_fast_silu", &DecoderLoop::set_fast_silu,

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "attention_amx.h"
+#include "attention_int8_decode.h"
 #include "attention_int8_scores.h"
 #include "attention_math.h"
 
@@ -81,6 +82,8 @@ struct Item {
 
 struct Scratch {
   std::vector<float> q, acc, scores, m, l, k, v;
+  std::vector<int8_t> qc;  // int8_decode: the rows' codes and scales (D + 4 bytes each)
+  std::vector<float> qs;
   Scratch(int64_t rows, int64_t bs, int64_t width)  // width: floats of one key row over the item's heads
       : q(rows * width), acc(rows * width), scores(rows * bs), m(rows), l(rows), k(bs * width), v(bs * width) {}
 };
@@ -90,6 +93,7 @@ struct Shape {
   float scale;
   int64_t window;  // > 0: each query sees its last `window` keys only
   float softcap;   // > 0: scores soft-capped (both: the general path, attend_item<..., true>)
+  bool int8_decode = false;  // int8 cache, plain causal path: scores in integers (attention_int8_decode.h)
 };
 
 // One sequence's part of an item: query tokens [q_begin, q_end), whose rows start at scratch row `row0`.
@@ -121,6 +125,11 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     }
     rows = std::max(rows, sg.row0 + (sg.q_end - sg.q_begin) * token_rows);
   }
+#if defined(HASTEN_INT8_DECODE)
+  if constexpr (std::is_same_v<cache_t, int8_t> && !kGeneral) {
+    if (sh.int8_decode) quantize_rows_int8(sc.q.data(), rows, D, sc.qc, sc.qs);
+  }
+#endif
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -1e30f);
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
@@ -204,12 +213,33 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
       body(b);
     }
   };
-  walk(segs[0], 0, it.shared, [&](int64_t b) {
-    for (int64_t si = 0; si < nseg; ++si) attend(segs[si], b);
-  });
-  for (int64_t si = 0; si < nseg; ++si)
-    walk(segs[si], kGeneral ? std::max(it.shared, first_block(segs[si])) : it.shared, last_key(segs[si]) / BS + 1,
-         [&](int64_t b) { attend(segs[si], b); });
+  bool walked = false;
+#if defined(HASTEN_INT8_DECODE)
+  if constexpr (std::is_same_v<cache_t, int8_t> && !kGeneral) {
+    if (sh.int8_decode) {  // each token's rows over the keys it sees, read in place (attention_int8_decode.h);
+      // a group's members one by one (the same arithmetic as alone: grouping changes no bit)
+      for (int64_t si = 0; si < nseg; ++si) {
+        const Segment& sg = segs[si];
+        const int64_t first_pos = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]);
+        const KeyRows kr{kp, vp, tables + sg.seq * sh.max_blocks, BS, cache_row, it.head_begin * P};
+        for (int64_t t = 0; t < sg.q_end - sg.q_begin; ++t) {
+          const int64_t r = sg.row0 + t * token_rows;
+          attend_heads_int8(sc.qc.data() + r * (D + kInt8ScaleBytes), D + kInt8ScaleBytes, sc.qs.data() + r, G, nh, P,
+                            kr, first_pos + sg.q_begin + t + 1, D, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D);
+        }
+      }
+      walked = true;
+    }
+  }
+#endif
+  if (!walked) {
+    walk(segs[0], 0, it.shared, [&](int64_t b) {
+      for (int64_t si = 0; si < nseg; ++si) attend(segs[si], b);
+    });
+    for (int64_t si = 0; si < nseg; ++si)
+      walk(segs[si], kGeneral ? std::max(it.shared, first_block(segs[si])) : it.shared, last_key(segs[si]) / BS + 1,
+           [&](int64_t b) { attend(segs[si], b); });
+  }
 
   for (int64_t si = 0; si < nseg; ++si) {
     const Segment& sg = segs[si];
@@ -339,12 +369,15 @@ template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
          int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, bool bf16_pv,
-         bool int8_tiles, at::Tensor& out) {
+         bool int8_tiles, bool int8_decode, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
   Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
            static_cast<float>(scale), window, static_cast<float>(softcap)};
+#if defined(HASTEN_INT8_DECODE)
+  sh.int8_decode = std::is_same_v<cache_t, int8_t> && int8_decode && int8_decode_take(sh.D);
+#endif
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
   // sequences whose scores are integer dot products (attention_int8_scores.h): their keys and values
@@ -478,14 +511,13 @@ void attend_wide(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 }  // namespace
 
-bool attention_int8_has_tiles() {
-#if defined(HASTEN_INT8_SCORES)
-  return true;
-#else
-  return false;
-#endif
-}
+// whether a header defined `macro` (to 1) for this build: the name expands to "1", else stays itself
+#define HASTEN_STR(x) #x
+#define built(macro) (HASTEN_STR(macro)[0] == '1')
 
+bool attention_int8_has_tiles() { return built(HASTEN_INT8_SCORES); }
+
+bool attention_int8_decode_has_tiles() { return built(HASTEN_INT8_DECODE); }
 bool attention_amx_available() {
 #if defined(HASTEN_AMX_ATTENTION)
   return amx_attention_ready();
@@ -494,19 +526,13 @@ bool attention_amx_available() {
 #endif
 }
 
-bool attention_bf16_pv_has_tiles() {
-#if defined(HASTEN_BF16_PV)
-  return true;
-#else
-  return false;
-#endif
-}
+bool attention_bf16_pv_has_tiles() { return built(HASTEN_BF16_PV); }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window, double softcap, int64_t wide_rows,
-                           int64_t int8_rows, bool int8_bf16_pv, bool int8_tiles) {
+                           int64_t int8_rows, bool int8_bf16_pv, bool int8_tiles, bool int8_decode) {
 #if !defined(HASTEN_BF16_PV)
   int8_bf16_pv = false;  // this build has no bfloat16 dot products: float32 P V
 #endif
@@ -554,16 +580,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
     else if (int8_cache)
       run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
   });
   for (int64_t s = 0; s < S && any_wide; ++s)
     if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);

@@ -34,12 +34,15 @@ class PrefillAttention:
     int8_rows: from that many, over an int8 cache, scores of q rounded to int8 against the cache's key
     codes (attention_int8_scores; paged_attention's int8_rows); bf16_pv: those rows' P V as bfloat16 dot
     products (attention_bf16_pv; paged_attention's int8_bf16_pv); amx: those rows on AMX tiles
-    (attention_amx; paged_attention's int8_tiles)."""
+    (attention_amx; paged_attention's int8_tiles). int8_decode: the sequences with fewer new tokens
+    (decodes), over an int8 cache, score q rounded to int8 against the key codes read in place
+    (attention_int8_decode; paged_attention's int8_decode)."""
 
     bf16_rows: int = 0
     int8_rows: int = 0
     bf16_pv: bool = False
     amx: bool = False
+    int8_decode: bool = False
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -125,6 +128,7 @@ class Decoder:
             self.loop.set_int8_attention_rows(paths.int8_rows)
             self.loop.set_bf16_pv(paths.bf16_pv)
             self.loop.set_int8_tiles(paths.amx)
+            self.loop.set_int8_decode(paths.int8_decode)
 
     def apply_cpu_switches(self, config: Any) -> None:
         """An EngineConfig's switches of the CPU paths: prefill attention (prefill_attention), fast_silu,
@@ -183,7 +187,8 @@ class Decoder:
         return paged_attention(q, caches[0], caches[1], meta, self.cfg.num_kv_heads, self.scale, self.attention_group,
                                window=self.windows[i], softcap=self.softcap,
                                wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows,
-                               int8_bf16_pv=self.prefill_attention.bf16_pv, int8_tiles=self.prefill_attention.amx)
+                               int8_bf16_pv=self.prefill_attention.bf16_pv, int8_tiles=self.prefill_attention.amx,
+                               int8_decode=self.prefill_attention.int8_decode)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -339,6 +344,7 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
         resolve_bf16_pv,
         resolve_bf16_rows,
         resolve_int8_attention_rows,
+        resolve_int8_decode,
     )
 
     bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
@@ -355,6 +361,7 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
         int8_rows=int8_rows,
         bf16_pv=bf16_pv,
         amx=resolve_amx_attention(config.attention_amx, bf16_pv),
+        int8_decode=resolve_int8_decode(config.attention_int8_decode, config.kv_cache_dtype == "int8"),
     )
 
 
