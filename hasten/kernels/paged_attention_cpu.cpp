@@ -513,11 +513,12 @@ void attend_wide(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
 // whether a header defined `macro` (to 1) for this build: the name expands to "1", else stays itself
 #define HASTEN_STR(x) #x
-#define built(macro) (HASTEN_STR(macro)[0] == '1')
+#define HASTEN_BUILT(macro) (HASTEN_STR(macro)[0] == '1')
 
-bool attention_int8_has_tiles() { return built(HASTEN_INT8_SCORES); }
+bool attention_int8_has_tiles() { return HASTEN_BUILT(HASTEN_INT8_SCORES); }
 
-bool attention_int8_decode_has_tiles() { return built(HASTEN_INT8_DECODE); }
+bool attention_int8_decode_has_tiles() { return HASTEN_BUILT(HASTEN_INT8_DECODE); }
+
 bool attention_amx_available() {
 #if defined(HASTEN_AMX_ATTENTION)
   return amx_attention_ready();
@@ -526,7 +527,7 @@ bool attention_amx_available() {
 #endif
 }
 
-bool attention_bf16_pv_has_tiles() { return built(HASTEN_BF16_PV); }
+bool attention_bf16_pv_has_tiles() { return HASTEN_BUILT(HASTEN_BF16_PV); }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
