@@ -22,6 +22,7 @@ KERNEL_TESTS = [
     "tests/quant/test_u8_gemm.py",
     "tests/engine/test_attention_kernel.py",
     "tests/engine/test_int8_kv_cache.py",
+    "tests/engine/test_attention_int8_decode.py",
     "tests/engine/test_arch_attention.py",
     "tests/engine/test_decoder_ops.py",
     "tests/engine/test_native_loop.py",
