@@ -83,6 +83,9 @@ class EngineConfig:
     # each int8 scale of x in those calls rounded up to a power of two (the codes then span 64 .. 127
     # instead of 127), so that the kernel applies it as an exponent shift off the VNNI pipes
     quant_u8_gemm_pow2_x_scales: bool = False
+    # the C++ layer loop's gate_up calls on that kernel apply SiLU-multiply to their own output tiles
+    # (u8_linear_q8_gemm_silu: the same values, without writing and re-reading [rows, 2 x intermediate])
+    quant_u8_gemm_silu: bool = True
     # SiLU-multiply with a vectorized exp (~2 ulp) where the down projection rounds its input anyway
     # (int8 / bfloat16 activations); float32-exact layers keep the exact exp
     fast_silu: bool = True

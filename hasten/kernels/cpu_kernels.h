@@ -32,6 +32,8 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight);
 std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight);
 at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
                              const at::Tensor& offset, int64_t N, int64_t x_runs = 1, bool pow2_x_scales = false);
+at::Tensor u8_linear_q8_gemm_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
+                                  const at::Tensor& offset, int64_t N, int64_t x_runs = 1, bool pow2_x_scales = false);
 bool u8_gemm_has_tiles();
 // gemm_bf16_amx_cpu.cpp: the wide bfloat16 GEMM on AMX tiles over a tile-ordered copy of a weight
 at::Tensor bf16_tiles_pack(const at::Tensor& weight);

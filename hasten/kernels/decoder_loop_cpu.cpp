@@ -54,6 +54,10 @@ struct Linear {
   bool takes_bf16_tiles(int64_t rows) const {
     return kind != LinearKind::kPython && takes_bf16(rows) && bf16_weight->dim() == 5 && !bias && !inv_input_scale;
   }
+  // the same for u8_linear_q8_gemm (u8_linear_q8_gemm_silu), a call the bfloat16 path does not take
+  bool takes_u8_alone(int64_t rows) const {
+    return kind != LinearKind::kPython && !takes_bf16(rows) && takes_u8(rows) && !bias && !inv_input_scale;
+  }
 
   at::Tensor operator()(const at::Tensor& x_in) const {
     if (kind == LinearKind::kPython) {
@@ -261,8 +265,14 @@ class DecoderLoop {
       timer.mark(kNorms);
       const bool fast = lw.down.takes_bf16(x.size(0)) || (fast_silu_ && lw.down.rounds_input);
       at::Tensor act;
-      if (gemm_silu_ && fast && lw.gate_up.takes_bf16_tiles(x.size(0))) {
-        act = bf16_tiles_linear_silu(contiguous(x), *lw.gate_up.bf16_weight);  // the same values, one pass
+      const Linear& gu = lw.gate_up;
+      if (gemm_silu_ && fast && gu.takes_bf16_tiles(x.size(0))) {
+        act = bf16_tiles_linear_silu(contiguous(x), *gu.bf16_weight);  // the same values, one pass
+        timer.mark(kGateUp);
+      } else if (u8_silu_ && fast && gu.takes_u8_alone(x.size(0)) && gu.out_features % 32 == 0) {
+        const auto& u8 = *gu.u8_weight;  // the same values, one pass
+        act = u8_linear_q8_gemm_silu(contiguous(x), u8[0], u8[1], u8[2], gu.out_features, gu.u8_x_runs,
+                                     gu.u8_pow2_x_scales);
         timer.mark(kGateUp);
       } else {
         act = contiguous(lw.gate_up(x));
@@ -304,6 +314,9 @@ class DecoderLoop {
   // tiles (bf16_tiles_linear_silu: bit-identical to the two calls)
   void set_gemm_silu(bool on) { gemm_silu_ = on; }
 
+  // the same for gate_up calls on the 8-bit GEMM (u8_linear_q8_gemm_silu: bit-identical to the two calls)
+  void set_u8_silu(bool on) { u8_silu_ = on; }
+
   // Profiling: per-part seconds summed over the forward calls since it was switched on.
   void set_profiling(bool on) {
     profiling_ = on;
@@ -329,6 +342,7 @@ class DecoderLoop {
   int64_t int8_attention_rows_ = 0;
   bool fast_silu_ = false;
   bool gemm_silu_ = false;
+  bool u8_silu_ = false;
   bool bf16_pv_ = false;
   bool int8_tiles_ = false;
   bool int8_decode_ = false;
@@ -351,6 +365,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x_runs") = 1, arg("pow2_x_scales") = false,
         "y = x W^T over u8_pack_rows16's layout, x rounded to int8 per 32 values (x_runs > 1: up to that many "
         "consecutive 32-runs share one scale; pow2_x_scales: each scale rounded up to a power of two)");
+  m.def("u8_linear_q8_gemm_silu", &u8_linear_q8_gemm_silu, nogil, arg("x"), arg("packed"), arg("step"), arg("offset"),
+        arg("n"), arg("x_runs") = 1, arg("pow2_x_scales") = false,
+        "silu_mul(u8_linear_q8_gemm(x, ...), fast=True) for packed [gate | up] (n = 2 I), from the output tiles");
   m.def("bf16_tiles_pack", &bf16_tiles_pack, nogil, "a weight [N, K] as bfloat16 in AMX tile order (bf16_tiles_linear's layout)");
   m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil, arg("x"), arg("packed"),
         "y = x W^T with x rounded to bfloat16, over bf16_tiles_pack's layout, on AMX tiles (float32 sums)");
@@ -426,6 +443,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the other sequences over an int8 cache score in int8, in place (paged_attention's int8_decode)")
       .def("set_gemm_silu", &DecoderLoop::set_gemm_silu,
            "gate_up calls on the AMX bfloat16 kernel apply the fast SiLU to their output tiles")
+      .def("set_u8_silu", &DecoderLoop::set_u8_silu,
+           "gate_up calls on the 8-bit GEMM apply the fast SiLU to their output tiles")
       .def("set_fast_silu", &DecoderLoop::set_fast_silu,
            "SiLU with the vectorized exp where the down projection rounds its input (int8 / bfloat16 x)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")

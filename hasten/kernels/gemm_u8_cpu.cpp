@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_math.h"
 #include "int4_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -59,10 +60,13 @@ inline __m512i broadcast4(const int8_t* p) {
 // with Pow2 its base-2 exponent. xtot: each row's sum of x. ahead: the bytes from these blocks to the
 // next ones a thread takes, for the first tile of a panel to prefetch them into L2 (else 0): 30
 // SmolLM2 layers of weights from memory, 16 rows of x, 9.8 -> 8.3 ms.
-template <int MR, int NW, bool Pow2>
+// pair: the blocks from one of the tile's blocks to the next (1; with Silu, gate's block to up's: I / 16),
+// and Silu: out gets silu(gate) * up of the two blocks' outputs (silu_mul_fast16) instead of both.
+template <int MR, int NW, bool Pow2, bool Silu = false>
 inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_t K, int64_t share, const uint8_t* w,
-                    int64_t block_bytes, const float* step, const float* offset, float* out, int64_t ldo, int64_t cols,
-                    int64_t ahead) {
+                    int64_t block_bytes, int64_t pair, const float* step, const float* offset, float* out, int64_t ldo,
+                    int64_t cols, int64_t ahead) {
+  static_assert(!Silu || NW == 2, "a SiLU tile is one gate block and its up block");
   const int64_t C = K / kChunk;
   __m512 acc[MR][NW];
   for (int r = 0; r < MR; ++r)
@@ -74,8 +78,8 @@ inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_
     for (int64_t kb = 8 * c; kb < 8 * (c + share); ++kb) {
       __m512i wv[NW];
       for (int j = 0; j < NW; ++j) {
-        if (ahead) __builtin_prefetch(w + ahead + j * block_bytes + kb * 64, 0, 2);
-        wv[j] = _mm512_loadu_si512(w + j * block_bytes + kb * 64);
+        if (ahead) __builtin_prefetch(w + ahead + j * pair * block_bytes + kb * 64, 0, 2);
+        wv[j] = _mm512_loadu_si512(w + j * pair * block_bytes + kb * 64);
       }
       for (int r = 0; r < MR; ++r) {
         const __m512i xb = broadcast4(xq + r * K + kb * 4);
@@ -89,6 +93,17 @@ inline void u8_tile(const int8_t* xq, const float* xd, const float* xtot, int64_
         else acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[r][j]), d, acc[r][j]);
       }
     }
+  }
+  if constexpr (Silu) {  // the same sums and multiply-adds as two outputs, then silu_mul's fast lanes
+    const __m512 sg = _mm512_loadu_ps(step), og = _mm512_loadu_ps(offset);
+    const __m512 su = _mm512_loadu_ps(step + pair * kRows), ou = _mm512_loadu_ps(offset + pair * kRows);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 t = _mm512_set1_ps(xtot[r]);
+      const __m512 gate = _mm512_fmadd_ps(acc[r][0], sg, _mm512_mul_ps(og, t));
+      const __m512 up = _mm512_fmadd_ps(acc[r][1], su, _mm512_mul_ps(ou, t));
+      _mm512_storeu_ps(out + r * ldo, hasten_attention::silu_mul_fast16(gate, up));
+    }
+    return;
   }
   for (int j = 0; j < NW; ++j) {
     const int64_t left = cols - j * kRows;
@@ -166,8 +181,11 @@ std::vector<at::Tensor> u8_pack_rows16(const at::Tensor& weight) {
   return {packed, step, offset};
 }
 
-at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
-                             const at::Tensor& offset, int64_t N, int64_t x_runs, bool pow2_x_scales) {
+namespace {
+
+// u8_linear_q8_gemm, or with silu its gate_up form (u8_linear_q8_gemm_silu)
+at::Tensor u8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step, const at::Tensor& offset,
+                   int64_t N, int64_t x_runs, bool pow2_x_scales, bool silu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N16 = (N + kRows - 1) / kRows, C = K / kChunk;
   TORCH_CHECK(K > 0 && K % kChunk == 0, "K must be a positive multiple of 32, got ", K);
@@ -177,7 +195,9 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   for (const auto* t : {&step, &offset})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 1 && t->size(0) == N16 * kRows,
                 "step and offset must be the float32 [16 ceil(N / 16)] of u8_pack_rows16");
-  auto y = at::empty({M, N}, x.options());
+  TORCH_CHECK(!silu || N % (2 * kRows) == 0, "u8_linear_q8_gemm_silu: N = 2 I with I a multiple of 16, got N = ", N);
+  const int64_t I = N / 2;
+  auto y = at::empty({M, silu ? I : N}, x.options());
   if (M == 0 || N == 0) return y;
   TORCH_CHECK(x_runs >= 1 && x_runs <= 8, "x runs per scale must be 1 .. 8, got ", x_runs);
   const int64_t share = runs_per_scale(K, x_runs);
@@ -213,24 +233,28 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   }
   constexpr int NW = 2;
   constexpr int64_t kPanel = 64;  // rows of x per panel: a panel stays in cache over a thread's blocks
-  const int64_t tasks = (N16 + NW - 1) / NW;
-  auto all_tiles = [&](auto pow2) {  // the scale kind as a type: one tile instantiation per call shape
+  // a task: NW neighbouring blocks, or with silu gate's block t and up's block t + I / 16
+  const int64_t tasks = silu ? I / kRows : (N16 + NW - 1) / NW, per_task = silu ? 1 : NW;
+  const int64_t pair = silu ? I / kRows : 1, ldy = silu ? I : N;
+  auto all_tiles = [&](auto pow2, auto with_silu) {  // the kinds as types: one tile instantiation per shape
+    constexpr bool P = decltype(pow2)::value, S = decltype(with_silu)::value;
     at::parallel_for(0, tasks, 2, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
         const int64_t m1 = std::min(M, m0 + kPanel);
         for (int64_t t = begin; t < end; ++t) {
-          const int64_t nb = t * NW, cols = std::min<int64_t>(NW * kRows, N - nb * kRows);
+          const int64_t nb = t * per_task, cols = std::min<int64_t>(NW * kRows, N - nb * kRows);
           const uint8_t* w = wp + nb * bytes;
           auto call = [&](auto rows, auto blocks, int64_t m) {
             constexpr int R = decltype(rows)::value, B = decltype(blocks)::value;
-            u8_tile<R, B, decltype(pow2)::value>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes,
-                                                 sp + nb * kRows, op + nb * kRows, yp + m * N + nb * kRows, N, cols,
-                                                 m == m0 && t + 1 < end ? NW * bytes : 0);
+            u8_tile<R, B, P, S>(xqp + m * K, xdp + m * C, xtot.data() + m, K, share, w, bytes, pair, sp + nb * kRows,
+                                op + nb * kRows, yp + m * ldy + nb * kRows, ldy, cols,
+                                m == m0 && t + 1 < end ? per_task * bytes : 0);
           };
           for (int64_t m = m0; m < m1;) {
             const int64_t left = m1 - m;
             auto with_rows = [&](auto rows) {
-              if (nb + 1 < N16) call(rows, std::integral_constant<int, 2>{}, m);
+              if constexpr (S) call(rows, std::integral_constant<int, 2>{}, m);
+              else if (nb + 1 < N16) call(rows, std::integral_constant<int, 2>{}, m);
               else call(rows, std::integral_constant<int, 1>{}, m);
               m += decltype(rows)::value;
             };
@@ -243,9 +267,15 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
       }
     });
   };
-  if (pow2_x_scales) all_tiles(std::true_type{});
-  else all_tiles(std::false_type{});
+  if (silu) {
+    if (pow2_x_scales) all_tiles(std::true_type{}, std::true_type{});
+    else all_tiles(std::false_type{}, std::true_type{});
+  } else {
+    if (pow2_x_scales) all_tiles(std::true_type{}, std::false_type{});
+    else all_tiles(std::false_type{}, std::false_type{});
+  }
 #else
+  if (silu) return silu_mul(u8_gemm(x, packed, step, offset, N, x_runs, pow2_x_scales, false), true);
   at::parallel_for(0, N16, 4, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb)
       for (int64_t m = 0; m < M; ++m)
@@ -254,4 +284,19 @@ at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, cons
   });
 #endif
   return y;
+}
+
+}  // namespace
+
+at::Tensor u8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
+                             const at::Tensor& offset, int64_t N, int64_t x_runs, bool pow2_x_scales) {
+  return u8_gemm(x, packed, step, offset, N, x_runs, pow2_x_scales, false);
+}
+
+// silu(gate) * up of y = [gate | up] = u8_linear_q8_gemm(x, ...) with N = 2 I: each tile runs a block of
+// 16 gate rows and the matching up block and writes silu_mul_fast16 of their outputs, so the result is
+// silu_mul(u8_linear_q8_gemm(x, ...), fast=true) bit for bit without the [M, 2 I] output
+at::Tensor u8_linear_q8_gemm_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& step,
+                                  const at::Tensor& offset, int64_t N, int64_t x_runs, bool pow2_x_scales) {
+  return u8_gemm(x, packed, step, offset, N, x_runs, pow2_x_scales, true);
 }

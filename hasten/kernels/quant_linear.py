@@ -137,6 +137,13 @@ def u8_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, step: torch.Tensor,
     return _module().u8_linear_q8_gemm(x, packed, step, offset, n, x_runs, pow2_x_scales)
 
 
+def u8_linear_q8_gemm_silu(x: torch.Tensor, packed: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
+                           n: int, x_runs: int = 1, pow2_x_scales: bool = False) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] = u8_linear_q8_gemm(x, ...) (n = 2 I, I a multiple of 16), taken
+    from the output tiles: bit-identical to silu_mul(u8_linear_q8_gemm(x, ...), fast=True), [M, I]."""
+    return _module().u8_linear_q8_gemm_silu(x, packed, step, offset, n, x_runs, pow2_x_scales)
+
+
 def bf16_tiles_available() -> bool:
     """Whether this build and CPU run bf16_tiles_linear (AMX-BF16 tiles; the OS grants the tile state)."""
     mod = load()

@@ -140,6 +140,42 @@ def test_u8_gemm_pow2_x_scales(m, n, k, threads, x_runs, share):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 65, 131])
+@pytest.mark.parametrize("k,inter", [(32, 16), (96, 48), (576, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("x_runs,pow2", [(1, False), (3, False), (1, True)])
+def test_silu_from_the_tiles_is_the_two_calls_bit_for_bit(m, k, inter, threads, x_runs, pow2):
+    """u8_linear_q8_gemm_silu (quant_u8_gemm_silu): silu(gate) * up from each tile of a gate block and its
+    up block, the same bits as silu_mul(u8_linear_q8_gemm(...), fast=True) over every tile height, panel
+    edge, thread count and scale kind; and it is SiLU-multiply of the product."""
+    from hasten.kernels import decoder_ops
+
+    gen = torch.Generator().manual_seed(m * 17 + k + inter + threads + x_runs)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[:, :32] = 0.0  # a run of zeros (scale 0)
+    packed, step, offset = quant_linear.u8_pack_rows16(torch.randn(2 * inter, k, generator=gen) * 0.1 - 0.01)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = quant_linear.u8_linear_q8_gemm_silu(x, packed, step, offset, 2 * inter, x_runs, pow2)
+        gate_up = quant_linear.u8_linear_q8_gemm(x, packed, step, offset, 2 * inter, x_runs, pow2)
+    finally:
+        torch.set_num_threads(before)
+    assert y.shape == (m, inter) and torch.equal(y, decoder_ops.load().silu_mul(gate_up, True))
+    ref = torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_silu_from_the_tiles_needs_whole_blocks():
+    packed, step, offset = quant_linear.u8_pack_rows16(torch.randn(48, 64))
+    with pytest.raises(RuntimeError, match="N = 2 I"):
+        quant_linear.u8_linear_q8_gemm_silu(torch.randn(3, 64), packed, step, offset, 48)  # I = 24
+    assert quant_linear.u8_linear_q8_gemm_silu(torch.randn(0, 64), *quant_linear.u8_pack_rows16(torch.randn(64, 64)),
+                                               64).shape == (0, 32)
+
+
+@needs_kernels
 def test_u8_gemm_rejects_bad_shapes():
     packed, step, offset = quant_linear.u8_pack_rows16(torch.randn(20, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -211,9 +247,12 @@ def engine(model: str, **options) -> LLM:
 
 
 @needs_kernels
-@pytest.mark.parametrize("x_runs,pow2", [(1, False), (4, False), (1, True)])
-def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_model, x_runs, pow2):
-    options = {"quant_u8_gemm": "on", "quant_u8_gemm_x_runs": x_runs, "quant_u8_gemm_pow2_x_scales": pow2}
+@pytest.mark.parametrize("x_runs,pow2,silu", [(1, False, True), (4, False, True), (1, True, True), (1, False, False)])
+def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_model, x_runs, pow2, silu):
+    """(The C++ loop's gate_up calls take SiLU from their output tiles unless quant_u8_gemm_silu is off;
+    the Python loop never does: the same bits either way.)"""
+    options = {"quant_u8_gemm": "on", "quant_u8_gemm_x_runs": x_runs, "quant_u8_gemm_pow2_x_scales": pow2,
+               "quant_u8_gemm_silu": silu}
     native = engine(tiny_model, **options)
     python = engine(tiny_model, native_decoder_loop=False, **options)
     if native.engine.model.loop is None:
