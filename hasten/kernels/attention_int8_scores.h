@@ -220,6 +220,36 @@ inline float quantize_query_u8(const scalar_t* q, float scale, int64_t D, uint8_
 
 constexpr int64_t kChunkUnits = 16;  // units scored before one softmax update (256 keys)
 
+#if defined(HASTEN_BF16_PV)
+// acc[r] += P V over keys 0 .. keys of a chunk (its first unit at `units`): two keys per step (a unit
+// holds 16, so a pair never straddles units; a key past `keys` has weight 0 in every row), pb[r] the
+// row's weights times the value scales in bfloat16. A function of its own so that only the NR x DV
+// accumulators, the step's DV value registers and one broadcast weight pair are live in its loop: inside
+// the whole walk the compiler kept some accumulators on the stack (a load and a store per multiply-add).
+template <int NR, int DV>
+__attribute__((noinline)) void pv_bf16_pairs(__m512 (&acc_io)[NR][DV], const uint16_t (*pb)[kChunkUnits * kUnitKeys],
+                                             int64_t keys, const uint8_t* units, int64_t unit_stride) {
+  constexpr int64_t D = 16 * DV;
+  __m512 acc[NR][DV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < DV; ++c) acc[r][c] = acc_io[r][c];
+  for (int64_t j = 0; j < keys; j += 2) {
+    const uint16_t* vpair = unit_at(units + (j / kUnitKeys) * unit_stride, D).vpairs + (j % kUnitKeys) * D;
+    __m512i v[DV];
+    for (int c = 0; c < DV; ++c) v[c] = _mm512_loadu_si512(vpair + 32 * c);
+    for (int r = 0; r < NR; ++r) {
+      int32_t two;
+      std::memcpy(&two, pb[r] + j, sizeof(two));
+      const __m512i pj = _mm512_set1_epi32(two);
+      for (int c = 0; c < DV; ++c)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(pj), reinterpret_cast<__m512bh>(v[c]));
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < DV; ++c) acc_io[r][c] = acc[r][c];
+}
+#endif
+
 // NR query rows (codes q + 128, D bytes each, scales sq, newest visible key positions last[r]) over
 // units 0 .. last unit any of them sees (`unit_base` + u * unit_stride bytes each); writes each row's
 // normalised output (D floats) to out[r]. DV = D / 16. The units are taken kChunkUnits at a time:
@@ -298,22 +328,7 @@ inline void attend_rows_int8(const uint8_t* const* qc, const float* sq, const in
     const int64_t keys = std::min<int64_t>(nu * kUnitKeys, newest - u0 * kUnitKeys + 1);
     if constexpr (BF16PV) {
 #if defined(HASTEN_BF16_PV)
-      // two keys per step (a unit holds 16, so a pair never straddles units; a key past `keys` has
-      // weight 0 in every row)
-      for (int64_t j = 0; j < keys; j += 2) {
-        const uint16_t* vpair = unit_at(unit_base + (u0 + j / kUnitKeys) * unit_stride, D).vpairs + (j % kUnitKeys) * D;
-        __m512i pj[NR];
-        for (int r = 0; r < NR; ++r) {
-          int32_t two;
-          std::memcpy(&two, pb[r] + j, sizeof(two));
-          pj[r] = _mm512_set1_epi32(two);
-        }
-        for (int c = 0; c < DV; ++c) {
-          const __m512i v = _mm512_loadu_si512(vpair + 32 * c);
-          for (int r = 0; r < NR; ++r)
-            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(pj[r]), reinterpret_cast<__m512bh>(v));
-        }
-      }
+      pv_bf16_pairs<NR, DV>(acc, pb, keys, unit_base + u0 * unit_stride, unit_stride);
 #endif
       continue;
     }
