@@ -17,6 +17,10 @@
 // rate beside 3 or 6 scalef, cvt or add), so the epilogue no longer takes VNNI issue slots. The product of an
 // integer and a power of two is exact, so the result is the same as the multiply-add's.
 //
+// u8_linear_q8_gemm_silu is the gate_up form of the same product (the C++ layer loop's switch
+// quant_u8_gemm_silu): each tile pairs a block of 16 gate rows with the matching up block and writes
+// silu(gate) * up of their outputs, so the [M, 2 I] output is never written and read back.
+//
 // Layout: packed uint8 [N16, K / 4, 16, 4]: byte (nb, kb, r, j) is row 16 nb + r's code at run-order
 // position 4 kb + j (rows past N are zero, with step and offset 0). One 64-byte load is 4 positions of
 // 16 rows.
@@ -196,6 +200,9 @@ at::Tensor u8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 1 && t->size(0) == N16 * kRows,
                 "step and offset must be the float32 [16 ceil(N / 16)] of u8_pack_rows16");
   TORCH_CHECK(!silu || N % (2 * kRows) == 0, "u8_linear_q8_gemm_silu: N = 2 I with I a multiple of 16, got N = ", N);
+#if !defined(HASTEN_U8_GEMM)
+  if (silu) return silu_mul(u8_gemm(x, packed, step, offset, N, x_runs, pow2_x_scales, false), true);
+#endif
   const int64_t I = N / 2;
   auto y = at::empty({M, silu ? I : N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -275,7 +282,6 @@ at::Tensor u8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
     else all_tiles(std::false_type{}, std::false_type{});
   }
 #else
-  if (silu) return silu_mul(u8_gemm(x, packed, step, offset, N, x_runs, pow2_x_scales, false), true);
   at::parallel_for(0, N16, 4, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb)
       for (int64_t m = 0; m < M; ++m)
