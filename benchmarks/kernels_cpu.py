@@ -92,15 +92,20 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict[tuple[int, str], float] | None:
     """ms for one n-token prefill's attention over `layers` layers of an int8 cache, then of a second
-    n-token chunk after it (2n keys): float path, int8 scores, int8 scores with bfloat16 P V (where the
-    build has it), on AMX tiles (where the CPU has them), keyed by (keys, path); None where this build has no int8-score path (no AVX-512 VNNI)."""
+    n-token chunk after it (2n keys): the per-token float path, the lane tiles (where the build has them:
+    AVX2), int8 scores (AVX-512 VNNI), int8 scores with bfloat16 P V (where the build has it), on AMX tiles
+    (where the CPU has them), keyed by (keys, path); None where this build has none of them."""
     from hasten.kernels import cpu_attention
 
-    if not cpu_attention.int8_scores_available():
-        return None
     bs, kvh, heads, d = 16, 3, 9, 64
-    modes = {"float": {}, "int8 scores": {"int8_rows": 16}}
-    if cpu_attention.bf16_pv_available():
+    modes: dict[str, dict] = {"float": {}}
+    if cpu_attention.lane_tiles_available():
+        modes["lane tiles"] = {"lane_tokens": 4}
+    if cpu_attention.int8_scores_available():
+        modes["int8 scores"] = {"int8_rows": 16}
+    if len(modes) == 1:
+        return None
+    if cpu_attention.int8_scores_available() and cpu_attention.bf16_pv_available():
         modes["int8 scores + bf16 P V"] = {"int8_rows": 16, "int8_bf16_pv": True}
     if cpu_attention.amx_attention_available():
         modes["AMX tiles"] = {"int8_rows": 16, "int8_bf16_pv": True, "int8_tiles": True}
@@ -211,7 +216,7 @@ def engine_batch1(repeats: int) -> dict[str, float]:
 def print_int8_attention(repeats: int) -> None:
     int8 = attention_prefill_int8(repeats)
     if int8 is None:
-        print("attention, int8 cache, 256-token prefill: no int8-score path in this build (AVX-512 VNNI)")
+        print("attention, int8 cache, 256-token prefill: no lane tiles (AVX2) or int8-score path (AVX-512 VNNI) here")
     else:
         print("attention, int8 cache, 256 new tokens over 256 / 512 keys, 30 layers: " + "  ".join(
             f"{name}, {keys} keys {ms:6.2f} ms ({int8[keys, 'float'] / ms:4.2f}x)" for (keys, name), ms in int8.items()))
@@ -232,7 +237,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--int8-attention-only", action="store_true", help="part 2's int8-cache prefill only")
+    ap.add_argument("--int8-attention-only", action="store_true", help="part 2's int8-cache prefill only (its paths)")
     ap.add_argument("--int8-decode-only", action="store_true", help="part 2's int8-cache decodes only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

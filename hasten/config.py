@@ -116,6 +116,12 @@ class EngineConfig:
     # rounded to int8 the same way and score against the key codes read in place from the pool, AVX-512 VNNI:
     # auto = on for an int8 cache where the kernels have the path | on (an error where they do not) | off
     attention_int8_decode: str = "auto"
+    # cpp, int8 / float16 / bfloat16 KV cache: tiles of this many new tokens or more (prefill chunks) transpose
+    # their query rows into the vector lanes and widen each block of keys and values once for the whole tile
+    # (attention_lane_tiles.h): auto = on where the kernels lack the AVX-512 VNNI attention paths (AVX2 CPUs)
+    # | on | off; a float32 cache always keeps its exact path
+    attention_lane_tiles: str = "auto"
+    attention_lane_tiles_min_tokens: int = 4
     # cpp attention: in a step without prompt logprobs or hidden-state readers, the last layer writes every
     # row's keys and values but runs attention, o_proj and the MLP only for the rows whose logits are sampled
     last_layer_sampled_rows: bool = True

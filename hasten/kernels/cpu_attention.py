@@ -37,6 +37,7 @@ def paged_attention(
     int8_bf16_pv: bool = False,
     int8_tiles: bool = False,
     int8_decode: bool = False,
+    lane_tokens: int = 0,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -58,12 +59,16 @@ def paged_attention(
     cache, head_dim a multiple of 32 up to 256, a build with AVX-512 VNNI; elsewhere ignored): the other
     sequences without a soft cap or a window short of key 0 (decodes, chunks under int8_rows) have their
     query rows rounded the same way and score against the key codes read in place from the pool
-    (attention_int8_decode.h: no packing), P V in float32."""
+    (attention_int8_decode.h: no packing), P V in float32. lane_tokens > 0 (an int8, float16 or bfloat16
+    cache, a build with AVX2 + FMA; elsewhere ignored): sequences without a soft cap or a window short of
+    key 0 attend in tiles of that many new tokens or more with their query rows in the vector lanes
+    (attention_lane_tiles.h), widening each block of keys and values once per tile."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                               window, softcap, wide_rows, int8_rows, int8_bf16_pv, int8_tiles, int8_decode)
+                               window, softcap, wide_rows, int8_rows, int8_bf16_pv, int8_tiles, int8_decode,
+                               lane_tokens)
 
 
 def amx_attention_available() -> bool:
@@ -88,3 +93,9 @@ def int8_decode_available() -> bool:
     """Whether this build has the VNNI path of paged_attention's int8_decode."""
     mod = _ext.module or load()
     return mod is not None and bool(mod.attention_int8_decode_has_tiles())
+
+
+def lane_tiles_available() -> bool:
+    """Whether this build has paged_attention's lane_tokens path (AVX2 + FMA)."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.attention_lane_tiles_built())

@@ -136,3 +136,25 @@ def resolve_int8_attention_rows(mode: str, min_rows: int, int8_cache: bool) -> i
         raise ValueError("attention_int8_scores=on needs the C++ kernels built with AVX-512 VNNI (this build has "
                          "no such path); use auto or off")
     return 0
+
+
+def resolve_lane_tiles(mode: str, min_tokens: int) -> int:
+    """attention_lane_tiles (auto | on | off) and its token threshold -> paged_attention's lane_tokens (0:
+    off). auto is on where the kernels have the lane tiles (AVX2 + FMA) but not attention_int8_scores'
+    AVX-512 VNNI path, which takes an int8 cache's prefill chunks there; on asks for the lane tiles (an
+    error where the build lacks them)."""
+    check_mode("attention_lane_tiles", mode)
+    if min_tokens < 1:
+        raise ValueError(f"attention_lane_tiles_min_tokens must be >= 1, not {min_tokens}")
+    if mode == "off":
+        return 0
+    from hasten.kernels.cpu_attention import int8_scores_available, lane_tiles_available
+
+    if not lane_tiles_available():
+        if mode == "on":
+            raise ValueError("attention_lane_tiles=on needs the C++ kernels built with AVX2 and FMA (this build has "
+                             "no such path); use auto or off")
+        return 0
+    if mode == "auto" and int8_scores_available():
+        return 0
+    return min_tokens

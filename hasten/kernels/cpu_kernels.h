@@ -47,15 +47,17 @@ bool bf16_tiles_available();
 // int8_bf16_pv: their P V in bfloat16 dot products, AVX512-BF16; int8_tiles: those rows on AMX tiles,
 // TDPBUSD scores and TDPBF16PS P V, where the CPU has AMX-INT8 and AMX-BF16; int8_decode: the other
 // sequences over an int8 cache (decodes, short chunks) score q rounded to int8 against the key codes
-// read in place, VNNI)
+// read in place, VNNI; lane_tokens > 0: tiles of that many new tokens or more over an int8, float16 or
+// bfloat16 cache with their query rows in the vector lanes, attention_lane_tiles.h, AVX2)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window = 0, double softcap = 0.0, int64_t wide_rows = 0,
                            int64_t int8_rows = 0, bool int8_bf16_pv = false, bool int8_tiles = false,
-                           bool int8_decode = false);
+                           bool int8_decode = false, int64_t lane_tokens = 0);
 bool attention_int8_has_tiles();
 bool attention_int8_decode_has_tiles();
+bool attention_lane_tiles_built();
 bool attention_amx_available();
 bool attention_bf16_pv_has_tiles();
 

@@ -257,7 +257,7 @@ class DecoderLoop {
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], picked ? (*rows)[1] : block_tables,
                                         picked ? (*rows)[2] : query_start, picked ? (*rows)[3] : context_lens, scale_, 8,
                                         attention_group_, lw.window, 0.0, wide_attention_rows_, int8_attention_rows_,
-                                        bf16_pv_, int8_tiles_, int8_decode_);
+                                        bf16_pv_, int8_tiles_, int8_decode_, lane_tokens_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -307,6 +307,9 @@ class DecoderLoop {
   // paged_attention's int8_decode: the other sequences over an int8 cache score in int8, in place
   void set_int8_decode(bool on) { int8_decode_ = on; }
 
+  // paged_attention's lane_tokens: tiles of this many new tokens over a narrower cache, query rows in the lanes
+  void set_lane_tokens(int64_t n) { lane_tokens_ = n; }
+
   // silu_mul's vectorized exp (~2 ulp) for every call whose down projection rounds its input anyway
   void set_fast_silu(bool on) { fast_silu_ = on; }
 
@@ -346,6 +349,7 @@ class DecoderLoop {
   bool bf16_pv_ = false;
   bool int8_tiles_ = false;
   bool int8_decode_ = false;
+  int64_t lane_tokens_ = 0;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
 };
@@ -392,10 +396,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
         arg("window") = 0, arg("softcap") = 0.0, arg("wide_rows") = 0, arg("int8_rows") = 0,
-        arg("int8_bf16_pv") = false, arg("int8_tiles") = false, arg("int8_decode") = false,
+        arg("int8_bf16_pv") = false, arg("int8_tiles") = false, arg("int8_decode") = false, arg("lane_tokens") = 0,
         "Paged attention over a block pool (CPU)");
   m.def("attention_int8_decode_has_tiles", &attention_int8_decode_has_tiles,
         "whether this build scores decode rows over an int8 cache with AVX-512 VNNI (paged_attention's int8_decode)");
+  m.def("attention_lane_tiles_built", &attention_lane_tiles_built,
+        "whether this build has the query-rows-in-lanes prefill tiles (AVX2 + FMA)");
   m.def("attention_int8_has_tiles", &attention_int8_has_tiles,
         "whether this build scores prefill rows over an int8 cache with AVX-512 VNNI (paged_attention's int8_rows)");
   m.def("attention_amx_available", &attention_amx_available,
@@ -441,6 +447,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the int8-scored sequences on AMX tiles (paged_attention's int8_tiles)")
       .def("set_int8_decode", &DecoderLoop::set_int8_decode,
            "the other sequences over an int8 cache score in int8, in place (paged_attention's int8_decode)")
+      .def("set_lane_tokens", &DecoderLoop::set_lane_tokens,
+           "tiles of this many new tokens over a narrower cache take the query rows in the lanes (paged_attention's "
+           "lane_tokens; 0: off)")
       .def("set_gemm_silu", &DecoderLoop::set_gemm_silu,
            "gate_up calls on the AMX bfloat16 kernel apply the fast SiLU to their output tiles")
       .def("set_u8_silu", &DecoderLoop::set_u8_silu,

@@ -43,9 +43,11 @@
 #include <vector>
 
 #include "attention_amx.h"
+#include "attention_groups.h"
 #include "attention_int8_decode.h"
 #include "attention_int8_scores.h"
 #include "attention_math.h"
+#include "attention_lane_tiles.h"
 
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
@@ -84,6 +86,9 @@ struct Scratch {
   std::vector<float> q, acc, scores, m, l, k, v;
   std::vector<int8_t> qc;  // int8_decode: the rows' codes and scales (D + 4 bytes each)
   std::vector<float> qs;
+#if defined(HASTEN_LANE_TILES)
+  LaneScratch lanes;  // attention_lane_tiles.h's buffers
+#endif
   Scratch(int64_t rows, int64_t bs, int64_t width)  // width: floats of one key row over the item's heads
       : q(rows * width), acc(rows * width), scores(rows * bs), m(rows), l(rows), k(bs * width), v(bs * width) {}
 };
@@ -94,6 +99,7 @@ struct Shape {
   int64_t window;  // > 0: each query sees its last `window` keys only
   float softcap;   // > 0: scores soft-capped (both: the general path, attend_item<..., true>)
   bool int8_decode = false;  // int8 cache, plain causal path: scores in integers (attention_int8_decode.h)
+  int64_t lane_tokens = 0;   // > 0: plain causal tiles of this many tokens or more take attention_lane_tiles.h
 };
 
 // One sequence's part of an item: query tokens [q_begin, q_end), whose rows start at scratch row `row0`.
@@ -125,9 +131,16 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     }
     rows = std::max(rows, sg.row0 + (sg.q_end - sg.q_begin) * token_rows);
   }
+  // a prefill tile (one sequence, enough tokens, every row's G query heads in the lanes' reach)
+#if defined(HASTEN_LANE_TILES)
+  const bool lanes = lane_tiles_take<cache_t>() && !kGeneral && sh.lane_tokens > 0 && nseg == 1 && it.q_end - it.q_begin >= sh.lane_tokens &&
+                     (it.q_end - it.q_begin) * G <= kLaneMaxRows && D % 8 == 0 && D <= kLaneMaxD;
+#else
+  constexpr bool lanes = false;
+#endif
 #if defined(HASTEN_INT8_DECODE)
   if constexpr (std::is_same_v<cache_t, int8_t> && !kGeneral) {
-    if (sh.int8_decode) quantize_rows_int8(sc.q.data(), rows, D, sc.qc, sc.qs);
+    if (sh.int8_decode && !lanes) quantize_rows_int8(sc.q.data(), rows, D, sc.qc, sc.qs);
   }
 #endif
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
@@ -214,9 +227,31 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     }
   };
   bool walked = false;
+#if defined(HASTEN_LANE_TILES)
+  if constexpr (lane_tiles_take<cache_t>()) {
+    if (lanes) {  // per kv head: its G query rows of every token of the tile (attention_lane_tiles.h)
+      const Segment& sg = segs[0];
+      const int64_t first_pos = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_begin;
+      for (int64_t h = 0; h < nh; ++h) {
+        auto row = [&](int64_t i) { return (i / G) * token_rows + h * G + i % G; };  // tile row -> scratch row
+        attend_lane_tile<cache_t>(
+            (sg.q_end - sg.q_begin) * G, [&](int64_t i) { return sc.q.data() + row(i) * D; },
+            [&](int64_t i) { return first_pos + i / G; }, last_key(sg), BS,
+            [&](int64_t b) {
+              const int64_t base = block_base(sg, b) + h * P;
+              return std::pair<const cache_t*, const cache_t*>(kp + base, vp + base);
+            },
+            cache_row, D,
+            [&](int64_t i) { return std::pair<float*, float*>(sc.acc.data() + row(i) * D, sc.l.data() + row(i)); },
+            sc.lanes);
+      }
+      walked = true;
+    }
+  }
+#endif
 #if defined(HASTEN_INT8_DECODE)
   if constexpr (std::is_same_v<cache_t, int8_t> && !kGeneral) {
-    if (sh.int8_decode) {  // each token's rows over the keys it sees, read in place (attention_int8_decode.h);
+    if (sh.int8_decode && !walked) {  // each token's rows over the keys it sees, read in place (attention_int8_decode.h);
       // a group's members one by one (the same arithmetic as alone: grouping changes no bit)
       for (int64_t si = 0; si < nseg; ++si) {
         const Segment& sg = segs[si];
@@ -253,57 +288,6 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
       }
     }
   }
-}
-
-// Decode sequences (one new token) grouped by shared leading blocks; see Item. A group is formed
-// from sequences whose first block is the same, split into groups of at most `max_members`, each
-// sharing the blocks all its members have in common (at least 2, or the members go alone).
-struct Groups {
-  std::vector<int64_t> members;                 // sequence ids, group after group
-  std::vector<std::array<int64_t, 3>> spans;    // member_begin, member_end, shared blocks
-  std::vector<bool> grouped;                    // per sequence
-};
-
-inline Groups find_groups(const int32_t* tables, const int64_t* qs, const int64_t* ctx, int64_t S, int64_t BS,
-                          int64_t max_blocks, int64_t max_members) {
-  Groups g;
-  g.grouped.assign(S, false);
-  if (max_members < 2) return g;
-  std::vector<int64_t> decode;
-  for (int64_t s = 0; s < S; ++s)
-    if (qs[s + 1] - qs[s] == 1 && ctx[s] > BS) decode.push_back(s);
-  // sequences with the same first block end up next to each other (stable: keeps batch order)
-  std::stable_sort(decode.begin(), decode.end(),
-                   [&](int64_t a, int64_t b) { return tables[a * max_blocks] < tables[b * max_blocks]; });
-  auto common = [&](int64_t a, int64_t b) {  // leading blocks a and b share, within both contexts
-    const int64_t n = std::min((ctx[a] - 1) / BS + 1, (ctx[b] - 1) / BS + 1);
-    int64_t c = 0;
-    while (c < n && tables[a * max_blocks + c] == tables[b * max_blocks + c]) ++c;
-    return c;
-  };
-  size_t i = 0;
-  while (i < decode.size()) {
-    size_t j = i + 1;
-    while (j < decode.size() && tables[decode[j] * max_blocks] == tables[decode[i] * max_blocks]) ++j;
-    // [i, j): one first block; cut it into groups of at most max_members
-    const int64_t run = static_cast<int64_t>(j - i);
-    const int64_t ngroups = (run + max_members - 1) / max_members;
-    for (int64_t k = 0; k < ngroups; ++k) {
-      const size_t b = i + static_cast<size_t>(k * run / ngroups), e = i + static_cast<size_t>((k + 1) * run / ngroups);
-      if (e - b < 2) continue;
-      int64_t shared = max_blocks;
-      for (size_t m = b + 1; m < e; ++m) shared = std::min(shared, common(decode[b], decode[m]));
-      if (shared < 2) continue;
-      const int64_t begin = static_cast<int64_t>(g.members.size());
-      for (size_t m = b; m < e; ++m) {
-        g.members.push_back(decode[m]);
-        g.grouped[decode[m]] = true;
-      }
-      g.spans.push_back({begin, static_cast<int64_t>(g.members.size()), shared});
-    }
-    i = j;
-  }
-  return g;
 }
 
 #if defined(HASTEN_INT8_SCORES)
@@ -369,7 +353,7 @@ template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
          int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, bool bf16_pv,
-         bool int8_tiles, bool int8_decode, at::Tensor& out) {
+         bool int8_tiles, bool int8_decode, int64_t lane_tokens, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
@@ -377,6 +361,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
            static_cast<float>(scale), window, static_cast<float>(softcap)};
 #if defined(HASTEN_INT8_DECODE)
   sh.int8_decode = std::is_same_v<cache_t, int8_t> && int8_decode && int8_decode_take(sh.D);
+#endif
+  // a cache in q's own dtype (float32: the exact path) keeps update_rows' order of sums
+  int64_t lane_q_tile = 0;  // query tokens per lane tile
+#if defined(HASTEN_LANE_TILES)
+  if constexpr (!std::is_same_v<cache_t, scalar_t>) {
+    lane_q_tile = lane_tile_tokens(sh.G);
+    sh.lane_tokens = lane_q_tile > 0 ? lane_tokens : 0;
+  }
 #endif
   const int64_t* qs = qstart.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
@@ -433,7 +425,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const Groups groups = find_groups(tables.data_ptr<int32_t>(), qs, ctx_lens.data_ptr<int64_t>(), S, sh.BS,
                                     sh.max_blocks, max_members);
   // query tokens per tile of sequence s (the integer-score sequences' own on the AMX tiles)
-  auto tile_of = [&](int64_t s) { return unit_offset[s] >= 0 ? int8_q_tile : q_tile; };
+  // sequences whose tiles take the lane tiles: plain causal ones with enough new tokens
+  auto lanes_of = [&](int64_t s) {
+    return sh.lane_tokens > 0 && softcap == 0.0 && !(window > 0 && cl[s] > window) && qs[s + 1] - qs[s] >= sh.lane_tokens;
+  };
+  auto tile_of = [&](int64_t s) { return unit_offset[s] >= 0 ? int8_q_tile : lanes_of(s) ? lane_q_tile : q_tile; };
   int64_t tiles = static_cast<int64_t>(groups.spans.size());
   for (int64_t s = 0; s < S; ++s)
     if (!groups.grouped[s] && !wide[s]) tiles += (qs[s + 1] - qs[s] + tile_of(s) - 1) / tile_of(s);
@@ -454,13 +450,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           items.push_back({s, t0, std::min(n, t0 + tile_of(s)), h, std::min(sh.KVH, h + heads_per_item)});
       continue;
     }
-    for (int64_t t0 = 0; t0 < n; t0 += q_tile)
+    for (int64_t t0 = 0; t0 < n; t0 += tile_of(s))
       for (int64_t h = 0; h < sh.KVH; h += heads_per_item)
-        items.push_back({s, t0, std::min(n, t0 + q_tile), h, std::min(sh.KVH, h + heads_per_item)});
+        items.push_back({s, t0, std::min(n, t0 + tile_of(s)), h, std::min(sh.KVH, h + heads_per_item)});
   }
   const int64_t total = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min(threads, total));
-  const int64_t rows = std::max<int64_t>(q_tile, max_members) * heads_per_item * sh.G;
+  const int64_t rows = std::max({q_tile, max_members, sh.lane_tokens > 0 ? lane_q_tile : 0}) * heads_per_item * sh.G;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(rows, sh.BS, heads_per_item * sh.D);
@@ -519,6 +515,8 @@ bool attention_int8_has_tiles() { return HASTEN_BUILT(HASTEN_INT8_SCORES); }
 
 bool attention_int8_decode_has_tiles() { return HASTEN_BUILT(HASTEN_INT8_DECODE); }
 
+bool attention_lane_tiles_built() { return HASTEN_BUILT(HASTEN_LANE_TILES); }
+
 bool attention_amx_available() {
 #if defined(HASTEN_AMX_ATTENTION)
   return amx_attention_ready();
@@ -533,7 +531,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window, double softcap, int64_t wide_rows,
-                           int64_t int8_rows, bool int8_bf16_pv, bool int8_tiles, bool int8_decode) {
+                           int64_t int8_rows, bool int8_bf16_pv, bool int8_tiles, bool int8_decode,
+                           int64_t lane_tokens) {
 #if !defined(HASTEN_BF16_PV)
   int8_bf16_pv = false;  // this build has no bfloat16 dot products: float32 P V
 #endif
@@ -555,6 +554,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "query_start and context_lens must be int64");
   TORCH_CHECK(q_tile >= 1, "q_tile must be >= 1");
+  TORCH_CHECK(lane_tokens >= 0, "lane_tokens must be >= 0 (0: off)");
   const int64_t S = context_lens.size(0);
   TORCH_CHECK(query_start.numel() == S + 1 && block_tables.size(0) == S, "one row per sequence expected");
   const int64_t* qs = query_start.data_ptr<int64_t>();
@@ -581,16 +581,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     if (k_cache.scalar_type() == q.scalar_type())
       run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
     else if (k_cache.scalar_type() == at::kHalf)
       run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
     else if (int8_cache)
       run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
     else
       run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, out);
+                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
   });
   for (int64_t s = 0; s < S && any_wide; ++s)
     if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);

@@ -36,13 +36,16 @@ class PrefillAttention:
     products (attention_bf16_pv; paged_attention's int8_bf16_pv); amx: those rows on AMX tiles
     (attention_amx; paged_attention's int8_tiles). int8_decode: the sequences with fewer new tokens
     (decodes), over an int8 cache, score q rounded to int8 against the key codes read in place
-    (attention_int8_decode; paged_attention's int8_decode)."""
+    (attention_int8_decode; paged_attention's int8_decode). lane_tokens: from that many new tokens per tile,
+    over an int8 / float16 / bfloat16 cache, the query rows in the vector lanes (attention_lane_tiles;
+    paged_attention's lane_tokens)."""
 
     bf16_rows: int = 0
     int8_rows: int = 0
     bf16_pv: bool = False
     amx: bool = False
     int8_decode: bool = False
+    lane_tokens: int = 0
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -129,6 +132,7 @@ class Decoder:
             self.loop.set_bf16_pv(paths.bf16_pv)
             self.loop.set_int8_tiles(paths.amx)
             self.loop.set_int8_decode(paths.int8_decode)
+            self.loop.set_lane_tokens(paths.lane_tokens)
 
     def apply_cpu_switches(self, config: Any) -> None:
         """An EngineConfig's switches of the CPU paths: prefill attention (prefill_attention), fast_silu,
@@ -189,7 +193,8 @@ class Decoder:
                                window=self.windows[i], softcap=self.softcap,
                                wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows,
                                int8_bf16_pv=self.prefill_attention.bf16_pv, int8_tiles=self.prefill_attention.amx,
-                               int8_decode=self.prefill_attention.int8_decode)
+                               int8_decode=self.prefill_attention.int8_decode,
+                               lane_tokens=self.prefill_attention.lane_tokens)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -346,6 +351,7 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
         resolve_bf16_rows,
         resolve_int8_attention_rows,
         resolve_int8_decode,
+        resolve_lane_tiles,
     )
 
     bf16_gemm = getattr(model.layers[0].qkv_proj, "bf16_weight", None) is not None
@@ -363,6 +369,7 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
         bf16_pv=bf16_pv,
         amx=resolve_amx_attention(config.attention_amx, bf16_pv),
         int8_decode=resolve_int8_decode(config.attention_int8_decode, config.kv_cache_dtype == "int8"),
+        lane_tokens=resolve_lane_tiles(config.attention_lane_tiles, config.attention_lane_tiles_min_tokens),
     )
 
 

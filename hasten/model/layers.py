@@ -159,6 +159,7 @@ def paged_attention(
     int8_bf16_pv: bool = False,
     int8_tiles: bool = False,
     int8_decode: bool = False,
+    lane_tokens: int = 0,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached keys/values.
 
@@ -169,7 +170,8 @@ def paged_attention(
     wide_rows > 0 (C++ kernel only): sequences with that many new tokens attend in bfloat16 SDPA;
     int8_rows > 0 (C++ kernel, int8 cache): those score in int8 (cpu_attention.paged_attention), and with
     int8_bf16_pv take P V in bfloat16; int8_tiles: both on AMX tiles; int8_decode (C++ kernel, int8 cache):
-    the other sequences (decodes, shorter chunks) score in int8 over the key codes read in place.
+    the other sequences (decodes, shorter chunks) score in int8 over the key codes read in place; lane_tokens
+    (C++ kernel, a narrower cache): tiles of that many new tokens or more with the query rows in the lanes.
     """
     if meta.block_tables is not None and meta.kernel == "triton":
         from hasten.kernels.triton import attention as triton_attention
@@ -182,7 +184,7 @@ def paged_attention(
                                              meta.context_lens, scale, max_group=max_group, window=window,
                                              softcap=softcap, wide_rows=wide_rows, int8_rows=int8_rows,
                                              int8_bf16_pv=int8_bf16_pv, int8_tiles=int8_tiles,
-                                             int8_decode=int8_decode)
+                                             int8_decode=int8_decode, lane_tokens=lane_tokens)
     t_total, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     out = q.new_empty(t_total, num_heads * head_dim)
