@@ -99,8 +99,11 @@ def bench(args: argparse.Namespace, url: str, folder: Path, out: Path, extra: li
            "--model", MODEL_NAME, "--tokenizer", str(folder), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--goodput", "ttft:1000", "tpot:100", "--disable-tqdm",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, *extra]
+    # VLLM_TARGET_DEVICE=cpu: the client then loads vLLM's kernels for this CPU (without it, it loads the
+    # AVX-512 build and dies of SIGILL on an AVX2-only CPU)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     with open(out.with_suffix(".log"), "w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=args.point_timeout)
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=args.point_timeout, env=env)
     return json.loads(out.read_text())
 
 
