@@ -106,6 +106,29 @@ inline void widen_rows(const C* src, int64_t stride, int64_t n, int64_t D, float
 // that use them, 12 loads per 8 multiply-adds instead of 6
 inline void in_register(__m256& x, __m256& y) { __asm__("" : "+x"(x), "+x"(y)); }
 
+// a += x * k and, with two row vectors, b += y * k
+template <int NV>
+__attribute__((always_inline)) inline void fma_rows(__m256 x, __m256 y, __m256 k, __m256& a, __m256& b) {
+  a = _mm256_fmadd_ps(x, k, a);
+  if constexpr (NV == 2) b = _mm256_fmadd_ps(y, k, b);
+}
+
+// a0..a3 to p, p + ld, p + 2 ld, p + 3 ld and, with two row vectors, b0..b3 8 floats after each
+template <int NV>
+__attribute__((always_inline)) inline void store_rows(float* p, int64_t ld, __m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                                                      __m256 b0, __m256 b1, __m256 b2, __m256 b3) {
+  _mm256_storeu_ps(p, a0);
+  _mm256_storeu_ps(p + ld, a1);
+  _mm256_storeu_ps(p + 2 * ld, a2);
+  _mm256_storeu_ps(p + 3 * ld, a3);
+  if constexpr (NV == 2) {
+    _mm256_storeu_ps(p + 8, b0);
+    _mm256_storeu_ps(p + ld + 8, b1);
+    _mm256_storeu_ps(p + 2 * ld + 8, b2);
+    _mm256_storeu_ps(p + 3 * ld + 8, b3);
+  }
+}
+
 // st[j][v] = sum_d qt[d][v] * kf[j][d] for the 4 keys from kf and NV (1 or 2) row vectors from qt, stored
 // from st (key j at st + j * rp). Named accumulators rather than an array: GCC keeps an array of eight
 // 256-bit vectors on the stack (past its scalarization limit), a store after every multiply-add.
@@ -116,29 +139,12 @@ __attribute__((noinline)) void lane_scores4(const float* qt, int64_t rp, const f
     __m256 x = _mm256_loadu_ps(qt + d * rp);
     __m256 y = NV == 2 ? _mm256_loadu_ps(qt + d * rp + 8) : x;
     in_register(x, y);
-    __m256 k = _mm256_broadcast_ss(kf + d);
-    a0 = _mm256_fmadd_ps(x, k, a0);
-    if constexpr (NV == 2) b0 = _mm256_fmadd_ps(y, k, b0);
-    k = _mm256_broadcast_ss(kf + D + d);
-    a1 = _mm256_fmadd_ps(x, k, a1);
-    if constexpr (NV == 2) b1 = _mm256_fmadd_ps(y, k, b1);
-    k = _mm256_broadcast_ss(kf + 2 * D + d);
-    a2 = _mm256_fmadd_ps(x, k, a2);
-    if constexpr (NV == 2) b2 = _mm256_fmadd_ps(y, k, b2);
-    k = _mm256_broadcast_ss(kf + 3 * D + d);
-    a3 = _mm256_fmadd_ps(x, k, a3);
-    if constexpr (NV == 2) b3 = _mm256_fmadd_ps(y, k, b3);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(kf + d), a0, b0);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(kf + D + d), a1, b1);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(kf + 2 * D + d), a2, b2);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(kf + 3 * D + d), a3, b3);
   }
-  _mm256_storeu_ps(st, a0);
-  _mm256_storeu_ps(st + rp, a1);
-  _mm256_storeu_ps(st + 2 * rp, a2);
-  _mm256_storeu_ps(st + 3 * rp, a3);
-  if constexpr (NV == 2) {
-    _mm256_storeu_ps(st + 8, b0);
-    _mm256_storeu_ps(st + rp + 8, b1);
-    _mm256_storeu_ps(st + 2 * rp + 8, b2);
-    _mm256_storeu_ps(st + 3 * rp + 8, b3);
-  }
+  store_rows<NV>(st, rp, a0, a1, a2, a3, b0, b1, b2, b3);
 }
 
 // The same for one key (a block's last n % 4 keys).
@@ -170,29 +176,12 @@ __attribute__((noinline)) void lane_pv4(const float* st, int64_t rp, const float
     __m256 y = NV == 2 ? _mm256_loadu_ps(st + j * rp + 8) : x;
     in_register(x, y);
     const float* v = vf + j * D;
-    __m256 w = _mm256_broadcast_ss(v);
-    a0 = _mm256_fmadd_ps(x, w, a0);
-    if constexpr (NV == 2) b0 = _mm256_fmadd_ps(y, w, b0);
-    w = _mm256_broadcast_ss(v + 1);
-    a1 = _mm256_fmadd_ps(x, w, a1);
-    if constexpr (NV == 2) b1 = _mm256_fmadd_ps(y, w, b1);
-    w = _mm256_broadcast_ss(v + 2);
-    a2 = _mm256_fmadd_ps(x, w, a2);
-    if constexpr (NV == 2) b2 = _mm256_fmadd_ps(y, w, b2);
-    w = _mm256_broadcast_ss(v + 3);
-    a3 = _mm256_fmadd_ps(x, w, a3);
-    if constexpr (NV == 2) b3 = _mm256_fmadd_ps(y, w, b3);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(v), a0, b0);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(v + 1), a1, b1);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(v + 2), a2, b2);
+    fma_rows<NV>(x, y, _mm256_broadcast_ss(v + 3), a3, b3);
   }
-  _mm256_storeu_ps(acct, a0);
-  _mm256_storeu_ps(acct + rp, a1);
-  _mm256_storeu_ps(acct + 2 * rp, a2);
-  _mm256_storeu_ps(acct + 3 * rp, a3);
-  if constexpr (NV == 2) {
-    _mm256_storeu_ps(acct + 8, b0);
-    _mm256_storeu_ps(acct + rp + 8, b1);
-    _mm256_storeu_ps(acct + 2 * rp + 8, b2);
-    _mm256_storeu_ps(acct + 3 * rp + 8, b3);
-  }
+  store_rows<NV>(acct, rp, a0, a1, a2, a3, b0, b1, b2, b3);
 }
 
 // One tile: R query rows (row_of(i): D floats, already scaled) at positions pos_of(i), against keys
