@@ -40,10 +40,13 @@ inline int64_t lane_tile_tokens(int64_t G) {
   return most;
 }
 
-// the cache types the tiles widen (a float32 cache keeps update_rows' exact order of sums)
-template <typename C>
+// whether queries of type Q over a cache of type C take the tiles: the cache types they widen, in a
+// dtype other than the queries' own (a cache in q's dtype, float32 above all, keeps update_rows' exact
+// order of sums)
+template <typename Q, typename C>
 constexpr bool lane_tiles_take() {
-  return std::is_same_v<C, int8_t> || std::is_same_v<C, at::Half> || std::is_same_v<C, at::BFloat16>;
+  return !std::is_same_v<C, Q> &&
+         (std::is_same_v<C, int8_t> || std::is_same_v<C, at::Half> || std::is_same_v<C, at::BFloat16>);
 }
 
 // Per-thread buffers of the lane tiles (grown on demand, reused by every item of the thread).

@@ -39,12 +39,12 @@ def check_mode(option: str, mode: str) -> None:
         raise ValueError(f"{option} must be one of {BF16_MODES}, not {mode!r}")
 
 
-def check_switch(option: str, mode: str, min_rows: int, least_rows: int = 1) -> None:
-    """A wide-path switch (auto | on | off) and its `<option>_min_rows` threshold, refused with the
+def check_switch(option: str, mode: str, min_rows: int, least_rows: int = 1, unit: str = "rows") -> None:
+    """A wide-path switch (auto | on | off) and its `<option>_min_<unit>` threshold, refused with the
     option's name when out of range."""
     check_mode(option, mode)
     if min_rows < least_rows:
-        raise ValueError(f"{option}_min_rows must be >= {least_rows}, not {min_rows}")
+        raise ValueError(f"{option}_min_{unit} must be >= {least_rows}, not {min_rows}")
 
 
 def resolve_bf16_rows(option: str, mode: str, min_rows: int, auto_applies: bool = True) -> int:
@@ -143,9 +143,7 @@ def resolve_lane_tiles(mode: str, min_tokens: int) -> int:
     off). auto is on where the kernels have the lane tiles (AVX2 + FMA) but not attention_int8_scores'
     AVX-512 VNNI path, which takes an int8 cache's prefill chunks there; on asks for the lane tiles (an
     error where the build lacks them)."""
-    check_mode("attention_lane_tiles", mode)
-    if min_tokens < 1:
-        raise ValueError(f"attention_lane_tiles_min_tokens must be >= 1, not {min_tokens}")
+    check_switch("attention_lane_tiles", mode, min_tokens, unit="tokens")
     if mode == "off":
         return 0
     from hasten.kernels.cpu_attention import int8_scores_available, lane_tiles_available
@@ -158,3 +156,4 @@ def resolve_lane_tiles(mode: str, min_tokens: int) -> int:
     if mode == "auto" and int8_scores_available():
         return 0
     return min_tokens
+

@@ -133,7 +133,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
   }
   // a prefill tile (one sequence, enough tokens, every row's G query heads in the lanes' reach)
 #if defined(HASTEN_LANE_TILES)
-  const bool lanes = lane_tiles_take<cache_t>() && !kGeneral && sh.lane_tokens > 0 && nseg == 1 && it.q_end - it.q_begin >= sh.lane_tokens &&
+  const bool lanes = lane_tiles_take<scalar_t, cache_t>() && !kGeneral && sh.lane_tokens > 0 && nseg == 1 && it.q_end - it.q_begin >= sh.lane_tokens &&
                      (it.q_end - it.q_begin) * G <= kLaneMaxRows && D % 8 == 0 && D <= kLaneMaxD;
 #else
   constexpr bool lanes = false;
@@ -143,9 +143,11 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     if (sh.int8_decode && !lanes) quantize_rows_int8(sc.q.data(), rows, D, sc.qc, sc.qs);
   }
 #endif
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -1e30f);
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+  if (!lanes) {  // the lane tiles write every row's sums and normalizer themselves
+    std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.0f);
+    std::fill(sc.m.begin(), sc.m.begin() + rows, -1e30f);
+    std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+  }
 
   const int64_t P = head_row<cache_t>(D);  // elements of one head's row of one key in the cache
   const int64_t cache_row = sh.KVH * P;    // elements between consecutive keys of a block
@@ -228,7 +230,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
   };
   bool walked = false;
 #if defined(HASTEN_LANE_TILES)
-  if constexpr (lane_tiles_take<cache_t>()) {
+  if constexpr (lane_tiles_take<scalar_t, cache_t>()) {
     if (lanes) {  // per kv head: its G query rows of every token of the tile (attention_lane_tiles.h)
       const Segment& sg = segs[0];
       const int64_t first_pos = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_begin;
@@ -362,10 +364,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(HASTEN_INT8_DECODE)
   sh.int8_decode = std::is_same_v<cache_t, int8_t> && int8_decode && int8_decode_take(sh.D);
 #endif
-  // a cache in q's own dtype (float32: the exact path) keeps update_rows' order of sums
   int64_t lane_q_tile = 0;  // query tokens per lane tile
 #if defined(HASTEN_LANE_TILES)
-  if constexpr (!std::is_same_v<cache_t, scalar_t>) {
+  if constexpr (lane_tiles_take<scalar_t, cache_t>()) {
     lane_q_tile = lane_tile_tokens(sh.G);
     sh.lane_tokens = lane_q_tile > 0 ? lane_tokens : 0;
   }
