@@ -29,6 +29,8 @@ CONFIGS = {
     "gguf, fp16 cache, no q8 GEMM": {"quantization": "gguf", "kv_cache_dtype": "float16", "quant_q8_gemm": False},
     "gguf weights, int8 cache": {"quantization": "gguf", "kv_cache_dtype": "int8"},
     "gguf, int8 cache, no u8 GEMM": {"quantization": "gguf", "kv_cache_dtype": "int8", "quant_u8_gemm": "off"},
+    "gguf, int8 cache, one row off the GEMM": {"quantization": "gguf", "kv_cache_dtype": "int8",
+                                               "quant_q8_gemm_one_row": "off"},
 }
 
 

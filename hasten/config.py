@@ -58,6 +58,9 @@ class EngineConfig:
     quant_int4_kernel: str = "auto"  # auto | hasten (C++ AVX2, float32 activations) | torch (aten, bf16 activations)
     quant_int8_kernel: str = "auto"  # auto | hasten (C++, float32 x, exact) | hasten-q8 (int8 x) | torch (aten, bf16 x); auto = hasten, GGUF Q8_0: hasten-q8
     quant_q8_gemm: bool = True  # int8-activation int4 layers: 2+ rows in int8 too (u8 x s8 GEMM; False: float32 GEMM)
+    # one row of x (batch-1 decode) on that GEMM's tiles too instead of the one-row dot-product kernel:
+    # auto = on where the tiles lack VNNI (plain AVX2) | on | off
+    quant_q8_gemm_one_row: str = "auto"
     # AVX-512 VNNI: from this many rows of x (prefill chunks, decode batches) the int8-activation GEMMs
     # take 16 weight rows per register and up to 8 rows of x per tile (0: the 8-row tiles throughout)
     quant_q8_gemm_wide_rows: int = 8

@@ -157,3 +157,15 @@ def resolve_lane_tiles(mode: str, min_tokens: int) -> int:
         return 0
     return min_tokens
 
+
+def resolve_q8_gemm_one_row(mode: str) -> bool:
+    """quant_q8_gemm_one_row (auto | on | off) -> whether one-row calls of int8-activation int4 layers take
+    the GEMM tiles (int4_linear_q8_gemm, 8 weight rows per register, the next blocks prefetched) instead of
+    the one-row dot-product kernel. auto: where the tiles lack VNNI (plain AVX2), where they were measured
+    faster (batch-1 decode of the default GGUF on 2 Zen 3 cores: docs/benchmarks.md)."""
+    check_mode("quant_q8_gemm_one_row", mode)
+    if mode != "auto":
+        return mode == "on"
+    from hasten.kernels.quant_linear import q8_gemm_has_vnni
+
+    return not q8_gemm_has_vnni()

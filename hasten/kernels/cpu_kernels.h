@@ -17,6 +17,7 @@ at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
 void set_q8_gemm_wide_rows(int64_t rows);
 bool q8_gemm_has_wide_tiles();
+bool q8_gemm_has_vnni();
 std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                                         int64_t group);
 at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,

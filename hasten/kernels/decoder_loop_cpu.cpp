@@ -390,6 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_q8_gemm_wide_rows", &set_q8_gemm_wide_rows, arg("rows"),
         "rows of x from which the int8-activation GEMMs take their AVX-512 16-row tiles (0: never)");
   m.def("q8_gemm_has_wide_tiles", &q8_gemm_has_wide_tiles, "whether this build has the AVX-512 16-row tiles");
+  m.def("q8_gemm_has_vnni", &q8_gemm_has_vnni, "whether the int8-activation GEMM tiles multiply-add with VNNI");
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
   m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");

@@ -54,6 +54,13 @@ def q8_gemm_has_wide_tiles() -> bool:
     return mod is not None and bool(mod.q8_gemm_has_wide_tiles())
 
 
+def q8_gemm_has_vnni() -> bool:
+    """Whether this build's int8-activation GEMM tiles multiply-add with VNNI (AVX-512 VNNI or AVX-VNNI);
+    without it (plain AVX2) they take vpmaddubsw into int16 sums."""
+    mod = _ext.module or load()
+    return mod is not None and bool(mod.q8_gemm_has_vnni())
+
+
 def int4_pack_rows8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> list[torch.Tensor]:
     """The weight in int4_linear_q8_gemm's layout: (packed uint8 [ceil(N/8), K/8, 8, 4], scales and
     mins float32 [ceil(N/8), K/group, 8]); 8 weight rows side by side (quant_gemm_q8_cpu.cpp)."""

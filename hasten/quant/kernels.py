@@ -336,8 +336,9 @@ class Int4HastenLinear(QuantLinear):
     kind = "int4"
 
     # From this many rows of x on (batched decode, prefill) the kernel dequantizes 48 weight rows
-    # at a time into cache and multiplies them there (int4_linear_gemm); one row (batch-1 decode)
-    # takes the dot-product kernel that unpacks the codes in registers.
+    # at a time into cache and multiplies them there (int4_linear_gemm; with int8 activations
+    # int4_linear_q8_gemm); one row (batch-1 decode) takes the dot-product kernel that unpacks the
+    # codes in registers, or with quant_q8_gemm_one_row the int8 GEMM too (gemm_min_rows 1).
     gemm_min_rows = 2
 
     @property
@@ -505,7 +506,8 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
                int8_kernel: str = "auto", int4_auto: str = INT4_AUTO, q8_gemm: bool = True,
                int8_auto: str = INT8_AUTO, bf16_gemm: str = "off", bf16_gemm_min_rows: int = 32,
                u8_gemm: str = "off", u8_gemm_min_rows: int = 16, u8_gemm_x_runs: int = 1,
-               u8_gemm_pow2_x_scales: bool = False, bf16_gemm_tiles: bool = True) -> QuantLinear:
+               u8_gemm_pow2_x_scales: bool = False, bf16_gemm_tiles: bool = True,
+               q8_gemm_one_row: str = "off") -> QuantLinear:
     """The layer for `qw`. bf16_gemm (quant_bf16_gemm: auto | on | off) adds the bfloat16 path for calls
     of bf16_gemm_min_rows rows or more; auto does so where the CPU has AMX, for layers whose kernel
     rounds x anyway (int8 or bfloat16 activations), so exact float32-activation layers stay exact;
@@ -514,7 +516,8 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
     bfloat16 path does not take; auto does so where the build has its AVX-512 VNNI tiles, for 4-bit
     layers with int8 activations (an 8-bit row keeps a 4-bit block's values to within 1/510 of the
     row's range; the 5- to 8-bit blocks keep their own kernel); u8_gemm_x_runs, u8_gemm_pow2_x_scales:
-    see enable_u8_gemm."""
+    see enable_u8_gemm. q8_gemm_one_row (quant_q8_gemm_one_row): one-row calls of int4 layers with int8
+    activations and the GEMM copy (batch-1 decode) take the GEMM tiles too; auto where they lack VNNI."""
     layer: QuantLinear
     if isinstance(qw, Int8Weight):
         layer = Int8Linear(qw, max_kernel_rows, int8_kernel, int8_auto)
@@ -524,6 +527,8 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
         kernel = resolve_int4_kernel(int4_kernel, qw.group_size, int4_auto)
         if kernel.startswith("hasten"):
             layer = Int4HastenLinear(qw, max_kernel_rows, int8_activations=kernel == "hasten-q8", q8_gemm=q8_gemm)
+            if layer.rows8 is not None and cpu_features.resolve_q8_gemm_one_row(q8_gemm_one_row):
+                layer.gemm_min_rows = 1
         else:
             layer = Int4Linear(qw, max_kernel_rows)
     rows = cpu_features.resolve_bf16_rows("quant_bf16_gemm", bf16_gemm, bf16_gemm_min_rows, layer.rounds_activations)

@@ -209,6 +209,30 @@ def test_q8_layer_runs_every_row_count_in_int8():
         int4_linear.int4_linear_q8_gemm(torch.randn(2, 192), layer.rows8[0], layer.rows8[1], layer.rows8[2], 64, 60)
 
 
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_q8_gemm_one_row_switch(mode):
+    """quant_q8_gemm_one_row: one row of x through the int8 GEMM's tiles (the same row as in any batch,
+    bit for bit) or through the one-row dot kernel; both the int8-activation scheme. auto takes the
+    tiles where they lack VNNI. A layer without the GEMM copy keeps the dot kernel."""
+    from hasten.kernels.cpu_features import resolve_q8_gemm_one_row
+
+    gen = torch.Generator().manual_seed(5)
+    codes, scales, mins = random_weight(gen, 61, 576, 32)  # 8 blocks: the tiles request blocks ahead
+    qw = Int4Weight(pack_nibbles(codes), scales.float(), mins.float(), 32, bias=torch.randn(61, generator=gen))
+    layer = make_layer(qw, int4_kernel="hasten-q8", q8_gemm_one_row=mode)
+    on = mode == "on" or (mode == "auto" and not int4_linear.q8_gemm_has_vnni())
+    assert resolve_q8_gemm_one_row(mode) == on and layer.gemm_min_rows == (1 if on else 2)
+    x = torch.randn(5, 576, generator=gen)
+    one = torch.cat([layer(x[i : i + 1]) for i in range(5)])
+    want = q8_reference(x, codes, scales, mins, 32) + qw.bias.double()
+    assert (one.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    if on:  # each row alone as in the batch of five
+        assert torch.equal(one, layer(x))
+    assert make_layer(qw, int4_kernel="hasten-q8", q8_gemm=False, q8_gemm_one_row=mode).gemm_min_rows == 2
+    with pytest.raises(ValueError, match="quant_q8_gemm_one_row"):
+        make_layer(qw, int4_kernel="hasten-q8", q8_gemm_one_row="fast")
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 70])
 @pytest.mark.parametrize("n,k", [(50, 64), (97, 576), (5, 20)])
 def test_int8_kernel_matches_reference(m, n, k):
