@@ -226,6 +226,9 @@ def main() -> int:
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: the tables from the results a run with the same arguments saved in --output-dir")
     args = ap.parse_args()
+    unknown = sorted(set(args.only.split(",")) - set(SERVERS))
+    if unknown:
+        raise SystemExit(f"--only: unknown server {', '.join(unknown)} (the servers are {', '.join(SERVERS)})")
     if args.report_only:
         results = saved_results(args)
         print(report(results, args))

@@ -107,6 +107,13 @@ class CompileService:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
+    @property
+    def running(self) -> bool:
+        """Whether the compiler process is up and has said it is ready."""
+        ready = self._ready
+        return (ready is not None and ready.done() and not ready.cancelled() and ready.exception() is None
+                and self.pid is not None)
+
     # ---- process lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         """Start the compiler process if it is not running (idempotent, shared by concurrent callers)."""

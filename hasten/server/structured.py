@@ -247,6 +247,13 @@ class StructuredOutput:
             except RuntimeError:  # no running loop: start at the first compile
                 pass
 
+    async def prestarted(self) -> None:
+        """Once the compiler process started with the server (limits.prestart) is up, or failed to
+        start (logged; the first schema then tries again): building the tokenizer's xgrammar info and
+        starting that process take seconds of CPU, which the first requests would otherwise share."""
+        if self._prestart is not None:
+            await asyncio.gather(self._prestart, return_exceptions=True)
+
     # ---- tokenizer info -----------------------------------------------------------------
     def info(self) -> Any:
         """Blocking the first time (~0.1 s for a 49k vocabulary)."""

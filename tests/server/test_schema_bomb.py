@@ -160,3 +160,18 @@ def test_default_limits_refuse_the_bomb_without_compiling(http: httpx.Client, se
     error = r.json()["error"]
     assert error["code"] == "schema_too_large" and "--max-schema-bytes" in error["message"]
     assert so.stats.compiles == compiles
+
+
+
+@pytest.mark.parametrize("prestart", [True, False])
+def test_ready_waits_for_the_prestarted_compiler(fake_tokenizer, prestart):
+    """With prestart the compiler process is up before the server says it is ready (its start-up CPU
+    is not shared with the first requests); without, nothing starts until the first schema."""
+    server = ServerThread(lambda: FakeAsyncLLM(fake_tokenizer, max_model_len=512), wait_ready=False)
+    server.state.structured = StructuredLimits(prestart=prestart)
+    with server:
+        wait_until(lambda: server.state.ready, "the server to become ready")
+        service = structured(server).service
+        assert service.running if prestart else service.pid is None
+        with server.client() as c:
+            assert c.get("/health").status_code == 200
