@@ -11,7 +11,7 @@
    attention_int8_scores (q rounded to int8, VNNI) vs that with attention_bf16_pv (AVX512-BF16) vs
    that on AMX tiles (attention_amx: AMX-INT8 scores, AMX-BF16 P V); 32 decode sequences (contexts
    256-384, blocks scattered) over an int8 cache: the float path vs attention_int8_decode (q rounded
-   to int8, the key codes read in place, VNNI), over one layer's pool (cache-resident) and over 30
+   to int8, the key codes read in place; VNNI or AVX2), over one layer's pool (cache-resident) and over 30
    layers' pools (~125 MB read per step: from memory, as in a 32-request decode step);
 3. SiLU-multiply of a 512-token step over 30 layers (512 x 2 x 1536): the C++ op with its vectorized
    exp (fast=True, what int8-activation layers get) vs the exact op vs F.silu(gate) * up;
@@ -128,7 +128,7 @@ def attention_prefill_int8(repeats: int, n: int = 256, layers: int = 30) -> dict
 def attention_decode_int8(repeats: int, seqs: int = 32, layers: int = 30) -> dict[tuple[int, str], float] | None:
     """ms for `seqs` decodes' attention over an int8 cache, one layer's pool called `layers` times and
     `layers` pools called once each: the float path and attention_int8_decode, keyed by (pools, path);
-    None where this build has no such path (no AVX-512 VNNI)."""
+    None where this build has no such path (neither AVX-512 VNNI nor AVX2 + FMA)."""
     from hasten.kernels import cpu_attention
 
     if not cpu_attention.int8_decode_available():
@@ -225,7 +225,7 @@ def print_int8_attention(repeats: int) -> None:
 def print_int8_decode(repeats: int) -> None:
     t = attention_decode_int8(repeats)
     if t is None:
-        print("attention, int8 cache, 32 decodes: no int8-decode path in this build (AVX-512 VNNI)")
+        print("attention, int8 cache, 32 decodes: no int8-decode path in this build (AVX-512 VNNI or AVX2 + FMA)")
         return
     for pools, where in ((1, "one pool (in cache)"), (30, "30 pools (from memory)")):
         print(f"attention, int8 cache, 32 decodes x 30 layers, {where}: float {t[pools, 'float']:6.2f} ms  "

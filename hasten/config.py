@@ -116,8 +116,9 @@ class EngineConfig:
     # has not) | off
     attention_amx: str = "auto"
     # cpp, int8 KV cache: the other sequences (decodes, chunks under attention_int8_scores_min_rows) have q
-    # rounded to int8 the same way and score against the key codes read in place from the pool, AVX-512 VNNI:
-    # auto = on for an int8 cache where the kernels have the path | on (an error where they do not) | off
+    # rounded to int8 the same way and score against the key codes read in place from the pool (AVX-512 VNNI,
+    # or AVX2 + FMA): auto = on for an int8 cache where the kernels have the path | on (an error where they
+    # do not) | off
     attention_int8_decode: str = "auto"
     # cpp, int8 / float16 / bfloat16 KV cache: tiles of this many new tokens or more (prefill chunks) transpose
     # their query rows into the vector lanes and widen each block of keys and values once for the whole tile

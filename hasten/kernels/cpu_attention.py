@@ -90,7 +90,7 @@ def int8_scores_available() -> bool:
 
 
 def int8_decode_available() -> bool:
-    """Whether this build has the VNNI path of paged_attention's int8_decode."""
+    """Whether this build has paged_attention's int8_decode path (AVX-512 VNNI, or AVX2 + FMA)."""
     mod = _ext.module or load()
     return mod is not None and bool(mod.attention_int8_decode_has_tiles())
 

@@ -106,8 +106,8 @@ def resolve_amx_attention(mode: str, bf16_pv: bool) -> bool:
 
 def resolve_int8_decode(mode: str, int8_cache: bool) -> bool:
     """attention_int8_decode (auto | on | off) -> paged_attention's int8_decode. auto is on for an int8
-    KV cache where the kernels built with its VNNI path; on asks for that path (an int8 cache is still
-    needed for it to apply)."""
+    KV cache where the kernels built with the path (AVX-512 VNNI, or AVX2 + FMA); on asks for that path
+    (an int8 cache is still needed for it to apply)."""
     check_mode("attention_int8_decode", mode)
     if mode == "off" or (mode == "auto" and not int8_cache):
         return False
@@ -116,7 +116,7 @@ def resolve_int8_decode(mode: str, int8_cache: bool) -> bool:
     if int8_decode_available():
         return True
     if mode == "on":
-        raise ValueError("attention_int8_decode=on needs the C++ kernels built with AVX-512 VNNI (this build has "
+        raise ValueError("attention_int8_decode=on needs the C++ kernels built with AVX2 + FMA or AVX-512 VNNI (this build has "
                          "no such path); use auto or off")
     return False
 

@@ -400,7 +400,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("int8_bf16_pv") = false, arg("int8_tiles") = false, arg("int8_decode") = false, arg("lane_tokens") = 0,
         "Paged attention over a block pool (CPU)");
   m.def("attention_int8_decode_has_tiles", &attention_int8_decode_has_tiles,
-        "whether this build scores decode rows over an int8 cache with AVX-512 VNNI (paged_attention's int8_decode)");
+        "whether this build scores decode rows over an int8 cache in integers (AVX-512 VNNI or AVX2 + FMA; "
+        "paged_attention's int8_decode)");
   m.def("attention_lane_tiles_built", &attention_lane_tiles_built,
         "whether this build has the query-rows-in-lanes prefill tiles (AVX2 + FMA)");
   m.def("attention_int8_has_tiles", &attention_int8_has_tiles,

@@ -58,8 +58,12 @@ def test_int8_decode_beside_the_packed_path():
     packed, _ = int8_inputs(make_inputs(gen, [100, 64, 9, 300], [100, 3, 9, 40], 9, 3, 64, 16, torch.float32))
     both = cpu_attention.paged_attention(*packed, 0.125, int8_rows=16, int8_decode=True)
     rows = torch.repeat_interleave(torch.tensor([100, 3, 9, 40]) >= 16, torch.tensor([100, 3, 9, 40]))
-    assert torch.equal(both[rows], cpu_attention.paged_attention(*packed, 0.125, int8_rows=16)[rows])
-    assert torch.equal(both[~rows], cpu_attention.paged_attention(*packed, 0.125, int8_decode=True)[~rows])
+    alone = cpu_attention.paged_attention(*packed, 0.125, int8_decode=True)
+    if cpu_attention.int8_scores_available():
+        assert torch.equal(both[rows], cpu_attention.paged_attention(*packed, 0.125, int8_rows=16)[rows])
+        assert torch.equal(both[~rows], alone[~rows])
+    else:  # a build without the packed path (plain AVX2): int8_decode takes every sequence
+        assert torch.equal(both, alone)
     if cpu_attention.int8_decode_available():
         assert not torch.equal(both[~rows], cpu_attention.paged_attention(*packed, 0.125)[~rows])
 
@@ -114,10 +118,11 @@ def test_engine_with_int8_decode_stays_close_to_the_float_path(tiny_models):
     from tests.quant.wide_paths import assert_loops_agree, prompt_logprob_gap
 
     path = tiny_models("llama", hidden_size=128, num_heads=2, num_kv_heads=1)  # head_dim 64
-    # 24-token steps and no packed path: every prompt row goes through the rows int8_decode takes
+    # 24-token steps, no packed path and no lane tiles: every prompt row goes through the rows
+    # int8_decode takes
     kw = dict(kv_cache_dtype="int8", num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24,
-              attention_int8_scores="off")
-    if not cpu_attention.int8_decode_available():  # a build without AVX-512 VNNI: auto is off, on refused
+              attention_int8_scores="off", attention_lane_tiles="off")
+    if not cpu_attention.int8_decode_available():  # a build without the path (portable): auto is off, on refused
         assert LLM(path, **kw).engine.model.prefill_attention.int8_decode is False
         with pytest.raises(ValueError, match="AVX-512 VNNI"):
             LLM(path, attention_int8_decode="on", **kw)
