@@ -20,7 +20,8 @@
 // registers). The walk is key-major, as the pool lays a token's kv heads out side by side:
 // kDecodeChunk keys at a time, every head's scores, then one running-max update and rescale per row,
 // then every head's P V (float32 fused multiply-adds over the value codes widened on load, the
-// accumulators of 64 dimensions of up to 4 rows in registers across the chunk), the rows of the keys
+// accumulators of 64 dimensions of up to 4 rows in registers across the chunk; on AVX2 16 or 32
+// dimensions of up to 3 rows), the rows of the keys
 // kPrefetchKeys ahead asked for as it goes. The result differs from the float path by the rounding of
 // q to int8 only, as the packed path's does.
 // The integer sums are the same on both, so are the scores up to the order of the softmax's sums.
