@@ -259,29 +259,11 @@ inline void key_scores(const int8_t* qc, int64_t qstride, const float* qs, const
     _mm256_storeu_ps(p + r * ld, _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(kscale, _mm256_set1_ps(qs[r]))));
 }
 
-// values_pv as above, VC registers of 8 dimensions per row at a time: 4 for up to 2 rows, 2 for 3 (the
-// 16 registers then hold the accumulators, the rows' weights and a value vector without a spill)
+// values_pv as above, on accumulate_rows_avx2 (16 or 32 dimensions of up to 3 rows at a time)
 template <int NR>
 inline void values_pv(const float* p, int64_t ld, const float* corr, const int8_t* v, const int64_t* off, int64_t n,
                       int64_t D, float* acc) {
-  constexpr int VC = NR <= 2 ? 4 : 2;
-  for (int64_t d = 0; d < D; d += 8 * VC) {
-    __m256 a[NR][VC];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < VC; ++c)
-        a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * c), _mm256_set1_ps(corr[r]));
-    for (int64_t j = 0; j < n; ++j) {
-      const int8_t* vr = v + off[j] + d;
-      __m256 w[NR];
-      for (int r = 0; r < NR; ++r) w[r] = _mm256_broadcast_ss(p + r * ld + j);
-      for (int c = 0; c < VC; ++c) {
-        const __m256 vv = load8(vr + 8 * c);
-        for (int r = 0; r < NR; ++r) a[r][c] = _mm256_fmadd_ps(w[r], vv, a[r][c]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < VC; ++c) _mm256_storeu_ps(acc + r * D + d + 8 * c, a[r][c]);
-  }
+  accumulate_rows_avx2<NR, NR <= 2 ? 4 : 2>([v, off](int64_t j) { return v + off[j]; }, n, D, p, ld, corr, acc);
 }
 
 // chunk_softmax as above, 8 scores at a time (padded to a multiple of 8)

@@ -205,12 +205,14 @@ inline void scores_avx2(const float* q, const C* k, int64_t stride, int64_t n, i
   }
 }
 
-// acc[r] = acc[r] * corr[r] + sum_j p[r][j] * v[j] for NR rows. VC vectors of d per pass stay in
-// registers across all n keys, so each key costs NR broadcasts and VC loads for NR * VC FMAs.
-template <int NR, typename C>
-inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
-                            const float* corr, float* acc) {
-  constexpr int VC = NR <= 3 ? 4 : 2;
+// acc[r] = acc[r] * corr[r] + sum_j p[r * p_stride + j] * row_at(j)[0 .. D) for NR rows, row_at(j)
+// the start of value row j (rows `stride` apart in a block, or anywhere in the pool). VC vectors of d
+// per pass stay in registers across all n keys, so each key costs NR broadcasts and VC loads for
+// NR * VC fused multiply-adds; at 3 rows and VC = 4 the 12 accumulators, 3 weights and a value fill
+// the 16 registers (attention_int8_decode.h's values_pv takes VC = 2 there: with VC = 4 it spilled).
+template <int NR, int VC, typename RowAt>
+inline void accumulate_rows_avx2(const RowAt& row_at, int64_t n, int64_t D, const float* p, int64_t p_stride,
+                                 const float* corr, float* acc) {
   int64_t d = 0;
   for (; d + 8 * VC <= D; d += 8 * VC) {
     __m256 a[NR][VC];
@@ -219,8 +221,8 @@ inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, co
         a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * c), _mm256_set1_ps(corr[r]));
     for (int64_t j = 0; j < n; ++j) {
       __m256 pv[NR];
-      for (int r = 0; r < NR; ++r) pv[r] = _mm256_set1_ps(p[r * p_stride + j]);
-      const C* vr = v + j * stride + d;
+      for (int r = 0; r < NR; ++r) pv[r] = _mm256_broadcast_ss(p + r * p_stride + j);
+      const auto* vr = row_at(j) + d;
       for (int c = 0; c < VC; ++c) {
         const __m256 vv = load8(vr + 8 * c);
         for (int r = 0; r < NR; ++r) a[r][c] = _mm256_fmadd_ps(pv[r], vv, a[r][c]);
@@ -233,11 +235,19 @@ inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, co
     __m256 a[NR];
     for (int r = 0; r < NR; ++r) a[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), _mm256_set1_ps(corr[r]));
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 vv = load8(v + j * stride + d);
-      for (int r = 0; r < NR; ++r) a[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r * p_stride + j]), vv, a[r]);
+      const __m256 vv = load8(row_at(j) + d);
+      for (int r = 0; r < NR; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * p_stride + j), vv, a[r]);
     }
     for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc + r * D + d, a[r]);
   }
+}
+
+// accumulate_rows_avx2 over n value rows `stride` apart from v.
+template <int NR, typename C>
+inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
+                            const float* corr, float* acc) {
+  constexpr int VC = NR <= 3 ? 4 : 2;
+  accumulate_rows_avx2<NR, VC>([v, stride](int64_t j) { return v + j * stride; }, n, D, p, p_stride, corr, acc);
 }
 
 // exp_nonpositive on 8 lanes, the same operations in the same order (so the same values): GCC

@@ -162,7 +162,6 @@ def test_default_limits_refuse_the_bomb_without_compiling(http: httpx.Client, se
     assert so.stats.compiles == compiles
 
 
-
 @pytest.mark.parametrize("prestart", [True, False])
 def test_ready_waits_for_the_prestarted_compiler(fake_tokenizer, prestart):
     """With prestart the compiler process is up before the server says it is ready (its start-up CPU
