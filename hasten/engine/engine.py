@@ -61,6 +61,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, policy=config.scheduling_policy,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -112,16 +116,7 @@ class LLMEngine:
         early_free = (config.free_blocks_outside_window and self.attention_backend in ("cpp", "triton")
                       and all(w > 0 for w in windows))
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, max(windows) if early_free else 0)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
         if self.parallel is not None:
             if pp > 1:
                 from hasten.distributed.pipeline import PipelineModelRunner as runner_cls
@@ -171,7 +166,7 @@ class LLMEngine:
             from hasten.runtime.memory import plan_kv_cache
 
             plan = plan_kv_cache(self.model, rank_cfg, config, self.kv_dtype, self.max_model_len, self.device,
-                                 self.attention_backend)
+                                 self.attention_backend, self.scheduler_config.max_num_batched_tokens)
             logger.info(plan.describe(bs))
             num_blocks = plan.num_blocks
         else:

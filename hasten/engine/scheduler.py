@@ -24,6 +24,19 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
 
+    def __post_init__(self) -> None:
+        """Limits under which no request could ever be scheduled are refused (they would wait forever)."""
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r} (fcfs or priority)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, not {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with enable_chunked_prefill off a prompt must fit one step: max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be at least max_model_len ({self.max_model_len}); "
+                "raise it or lower max_model_len")
+
 
 @dataclass
 class ScheduledBatch:
@@ -43,8 +56,6 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
-        if config.policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {config.policy!r} (fcfs or priority)")
         self.config = config
         self.kv = kv
         self.waiting: list[Request] = []

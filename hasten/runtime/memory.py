@@ -75,16 +75,16 @@ def plan_device_kv(device: torch.device, utilization: float, bytes_per_block: in
 
 
 def plan_kv_cache(model, cfg, config, kv_dtype: torch.dtype, max_model_len: int, device: torch.device,
-                  attention_backend: str) -> MemoryPlan:
+                  attention_backend: str, step_tokens: int) -> MemoryPlan:
     """Profile the largest step on a throw-away pool, then size the KV pool (CUDA only).
 
-    The step: one sequence of min(max_num_batched_tokens, max_model_len) new tokens through the
+    The step: one sequence of min(step_tokens (the token budget), max_model_len) new tokens through the
     decoder, then the logits of max_num_seqs rows (what the sampler gets at most); the throw-away
     pool's own bytes are not counted as activations."""
     from hasten.model.layers import single_sequence_metadata
 
     bs = config.block_size
-    tokens = min(config.max_num_batched_tokens, max_model_len)
+    tokens = min(step_tokens, max_model_len)
     shape = (-(-tokens // bs), bs, cfg.num_kv_heads, kv_row_width(cfg.head_dim, kv_dtype))
     pool_bytes = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype) * shape[0] * bs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hasten import SamplingParams
 from hasten.config import EngineConfig, as_switch, parse_option_pairs, switches_as_bools
 
 
@@ -31,3 +32,37 @@ def test_other_options_pass_through():
     config = EngineConfig.from_options(**options)
     assert config.max_num_seqs == 8 and config.attention_bf16_pv == "off" and config.gc_freeze is False
     assert as_switch("x", True) is True and as_switch("x", 0) is False
+
+
+@pytest.mark.parametrize("field,value", [("max_num_batched_tokens", 0), ("max_num_batched_tokens", -5),
+                                         ("max_num_batched_tokens", "512"), ("max_num_batched_tokens", None),
+                                         ("max_num_seqs", 0), ("max_num_seqs", 2.5)])
+def test_limits_that_would_schedule_nothing_are_refused(field, value):
+    from hasten.engine.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+        SchedulerConfig(**{field: value})
+
+
+def test_unchunked_prefill_needs_a_budget_of_max_model_len():
+    from hasten.engine.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) must be at least max_model_len \(1024\)"):
+        SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024, enable_chunked_prefill=False)
+    assert SchedulerConfig(max_num_batched_tokens=1024, max_model_len=1024, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        SchedulerConfig(policy="lifo")
+
+
+def test_engine_refuses_budgets_that_would_hang(tiny_models):
+    """A budget of 0 scheduled nothing and a prompt longer than the budget with chunked prefill off never
+    fitted a step: generate() waited forever. Both are refused when the engine is built."""
+    from hasten import LLM
+
+    path = tiny_models("llama")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer, not 0"):
+        LLM(path, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match=r"must be at least max_model_len \(256\)"):
+        LLM(path, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, enable_chunked_prefill=False)
+    llm = LLM(path, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=256, enable_chunked_prefill=False)
+    assert len(llm.generate([[5] * 200], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
