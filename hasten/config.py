@@ -144,6 +144,26 @@ class EngineConfig:
     # `hasten serve`, its server process), never to a process that embeds the LLM class
     gc_freeze: bool = True
 
+    def __post_init__(self) -> None:
+        """Sizes and counts out of range are refused here, before a model loads, with the option's name
+        (they failed later with a ZeroDivisionError or a tensor error, or refused every request)."""
+        def positive(name: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, not {value!r}")
+
+        positive("block_size")
+        positive("max_waiting_requests")
+        positive("max_model_len", optional=True)
+        positive("num_kv_blocks", optional=True)
+        positive("num_threads", optional=True)
+        for name, high in (("kv_cache_memory_gb", float("inf")), ("gpu_memory_utilization", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+                raise ValueError(f"{name} must be a number in (0, {high:g}], not {value!r}")
+
     def clone(self, **changes) -> EngineConfig:
         from dataclasses import replace
 

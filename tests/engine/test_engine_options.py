@@ -66,3 +66,28 @@ def test_engine_refuses_budgets_that_would_hang(tiny_models):
         LLM(path, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, enable_chunked_prefill=False)
     llm = LLM(path, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=256, enable_chunked_prefill=False)
     assert len(llm.generate([[5] * 200], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("block_size", 0, "block_size must be a positive integer, not 0"),
+    ("block_size", -16, "block_size must be a positive integer, not -16"),
+    ("max_waiting_requests", 0, "max_waiting_requests must be a positive integer, not 0"),
+    ("max_model_len", -4, "max_model_len must be a positive integer or None, not -4"),
+    ("max_model_len", "1024", "max_model_len must be a positive integer or None, not '1024'"),
+    ("num_kv_blocks", 0, "num_kv_blocks must be a positive integer or None, not 0"),
+    ("num_threads", -1, "num_threads must be a positive integer or None, not -1"),
+    ("kv_cache_memory_gb", 0, r"kv_cache_memory_gb must be a number in \(0, inf\], not 0"),
+    ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be a number in \(0, 1\], not 1.5"),
+    ("gpu_memory_utilization", True, r"gpu_memory_utilization must be a number in \(0, 1\], not True"),
+])
+def test_sizes_out_of_range_are_refused_before_a_model_loads(option, value, message):
+    """block_size 0 failed with a ZeroDivisionError, a negative max_model_len or num_threads with a tensor
+    or torch error, max_waiting_requests 0 refused every request: now each is named when configured."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_options(**{option: value})
+
+
+def test_sizes_in_range_pass():
+    config = EngineConfig.from_options(block_size=3, max_model_len=10, num_kv_blocks=1, num_threads=1,
+                                       kv_cache_memory_gb=0.25, gpu_memory_utilization=1.0, max_waiting_requests=1)
+    assert (config.block_size, config.max_model_len, config.gpu_memory_utilization) == (3, 10, 1.0)
