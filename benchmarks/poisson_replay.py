@@ -26,14 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import find_gguf  # noqa: E402
+from _servers import find_gguf, pct  # noqa: E402
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.1
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def wave(engine, arrivals: list[float], prompts: list[list[int]], output: int, tag: str) -> dict:
@@ -67,8 +62,8 @@ def wave(engine, arrivals: list[float], prompts: list[list[int]], output: int, t
         ttft.append(first[rid] - arrived)
         tpot.append((done[rid] - first[rid]) / max(1, output - 1))
     met = sum(1 for a, b in zip(ttft, tpot, strict=True) if a <= SLO_TTFT_S and b <= SLO_TPOT_S) / len(ttft)
-    return {"met": met, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "tpot_p50": percentile(tpot, 50), "tok_s": len(prompts) * output / total}
+    return {"met": met, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "tpot_p50": pct(tpot, 50), "tok_s": len(prompts) * output / total}
 
 
 def main() -> None:

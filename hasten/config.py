@@ -147,18 +147,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Sizes and counts out of range are refused here, before a model loads, with the option's name
         (they failed later with a ZeroDivisionError or a tensor error, or refused every request)."""
-        def positive(name: str, optional: bool = False) -> None:
-            value = getattr(self, name)
-            if optional and value is None:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, not {value!r}")
-
-        positive("block_size")
-        positive("max_waiting_requests")
-        positive("max_model_len", optional=True)
-        positive("num_kv_blocks", optional=True)
-        positive("num_threads", optional=True)
+        for name in ("block_size", "max_waiting_requests"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            check_positive_int(name, getattr(self, name), optional=True)
         for name, high in (("kv_cache_memory_gb", float("inf")), ("gpu_memory_utilization", 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
@@ -176,6 +168,14 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**switches_as_bools(options))
+
+
+def check_positive_int(name: str, value: Any, optional: bool = False) -> None:
+    """ValueError naming `name` unless value is an int >= 1 (a bool is not one), or None where optional."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, not {value!r}")
 
 
 _SWITCH_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from hasten.config import check_positive_int
 from hasten.engine.kv_cache import KVCacheManager
 from hasten.engine.request import Request, RequestStatus
 
@@ -29,8 +30,7 @@ class SchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {self.policy!r} (fcfs or priority)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, not {getattr(self, name)!r}")
+            check_positive_int(name, getattr(self, name))
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with enable_chunked_prefill off a prompt must fit one step: max_num_batched_tokens "
