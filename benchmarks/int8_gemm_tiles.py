@@ -10,6 +10,9 @@
    and 512 rows (a prefill step's 512 tokens: what bounds a burst's last TTFT), with x's per-32 scales
    as they are and rounded up to powers of two (quant_u8_gemm_pow2_x_scales), alternating, best of
    --rounds each; and the int4 GEMM at 1-8 rows (a speculative verification step's 1 + k rows);
+   and the 30 layers' gate_up with SiLU-multiply at 16, 64, 256 and 512 rows: int4_linear_q8_gemm then
+   silu_mul (fast) against int4_linear_q8_gemm_silu (quant_int4_gemm_silu), 10 x --rounds passes each,
+   alternating (medians);
 3. paged decode attention, 16 sequences x 300 tokens, 30 layers of float16 KV from memory;
 4. (unless --skip-engine) the GGUF engine: one 256-token prefill (best of 4) and a 16-sequence decode
    step at 300 tokens (mean of 20), quant_q8_gemm_wide_rows=0 fast_silu=False against the defaults,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,6 +63,49 @@ def gemm_rates(layers: list[tuple], rows: int, wide: int, gen: torch.Generator) 
     finally:
         set_q8_gemm_wide_rows(8)
     return sum(rows * n * k for n, k, *_ in layers) / sec / 1e9
+
+
+def gate_up_silu_ms(layers: list[tuple], rows_list: tuple[int, ...], gen: torch.Generator,
+                    passes: int) -> dict[int, tuple[float, float, float]]:
+    """Per row count: median ms per pass over the gate_up weights of `layers` of the GEMM then silu_mul
+    and of the fused call, and the median of the per-pass ratios, the two alternating `passes` times
+    each (the tiles that run in the engine: the 8-row tiles, wide_rows 0 where the build has 16-row ones)."""
+    from hasten.kernels import decoder_ops
+    from hasten.kernels.quant_linear import (
+        int4_linear_q8_gemm,
+        int4_linear_q8_gemm_silu,
+        set_q8_gemm_wide_rows,
+    )
+
+    silu_mul = decoder_ops.load().silu_mul
+    gate_up = [(p, s, m, n) for n, k, p, s, m in layers if n == 3072]
+
+    def two_calls(x: torch.Tensor) -> None:
+        for p, s, m, n in gate_up:
+            silu_mul(int4_linear_q8_gemm(x, p, s, m, 32, n), True)
+
+    def fused(x: torch.Tensor) -> None:
+        for p, s, m, n in gate_up:
+            int4_linear_q8_gemm_silu(x, p, s, m, 32, n)
+
+    out = {}
+    set_q8_gemm_wide_rows(0)
+    try:
+        for rows in rows_list:
+            x = torch.randn(rows, 576, generator=gen)
+            times: dict = {two_calls: [], fused: []}
+            two_calls(x)
+            fused(x)
+            for i in range(passes):
+                for fn in (two_calls, fused) if i % 2 == 0 else (fused, two_calls):
+                    t = time.perf_counter()
+                    fn(x)
+                    times[fn].append((time.perf_counter() - t) * 1e3)
+            ratios = [a / b for a, b in zip(times[two_calls], times[fused], strict=True)]
+            out[rows] = (statistics.median(times[two_calls]), statistics.median(times[fused]), statistics.median(ratios))
+    finally:
+        set_q8_gemm_wide_rows(8)
+    return out
 
 
 def u8_rates(layers: int, rows_list: tuple[int, ...], gen: torch.Generator, rounds: int) -> dict[int, list[float]]:
@@ -152,6 +199,9 @@ def main() -> None:
     macs = sum(n * k for n, k, *_ in cold)
     print("   verification-sized calls, 30 layers from memory (ms): "
           + "  ".join(f"{rows} rows {rows * macs / gemm_rates(cold, rows, 8, gen) / 1e6:.2f}" for rows in range(1, 9)))
+    silu = gate_up_silu_ms(cold, (16, 64, 256, 512), gen, 10 * args.rounds)
+    print("   gate_up + SiLU-multiply, 30 layers from memory (median ms, GEMM then silu_mul / from the tiles, "
+          "median ratio): " + "  ".join(f"{rows} rows {a:.2f} / {b:.2f} ({r:.2f}x)" for rows, (a, b, r) in silu.items()))
     del cold
     from hasten.kernels.quant_linear import u8_gemm_has_tiles
 

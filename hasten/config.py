@@ -89,6 +89,9 @@ class EngineConfig:
     # the C++ layer loop's gate_up calls on that kernel apply SiLU-multiply to their own output tiles
     # (u8_linear_q8_gemm_silu: the same values, without writing and re-reading [rows, 2 x intermediate])
     quant_u8_gemm_silu: bool = True
+    # and the C++ layer loop's gate_up calls on the int4 int8-activation GEMM (the 8-row tiles: AVX2 builds,
+    # and AVX-512 ones below their two-block tiles' rows), int4_linear_q8_gemm_silu: the same values
+    quant_int4_gemm_silu: bool = True
     # SiLU-multiply with a vectorized exp (~2 ulp) where the down projection rounds its input anyway
     # (int8 / bfloat16 activations); float32-exact layers keep the exact exp
     fast_silu: bool = True

@@ -269,6 +269,16 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// silu(x) * u on 8 lanes with exp_nonpositive8 (sigmoid_fast's operations in its order): silu_mul's
+// fast path on AVX2 (decoder_ops_cpu.cpp) and the int4 GEMM's gate_up form (int4_linear_q8_gemm_silu)
+inline __m256 silu_mul_fast8(__m256 x, __m256 u) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
+  const __m256 e = exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(zero, x), x, neg));
+  const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_mul_ps(x, sig), u);
+}
+
 #if defined(__AVX512F__)
 // exp_nonpositive8 on 16 lanes: the same operations in the same order (so the same values).
 // Fused = true: the polynomial's steps as fused multiply-adds and the power of two applied by

@@ -22,6 +22,9 @@ std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tenso
                                         int64_t group);
 at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
                                const at::Tensor& mins8, int64_t group, int64_t N);
+// silu(gate) * up of [gate | up] = int4_linear_q8_gemm(x, ...) (N = 2 I, I a multiple of 8), [M, I]
+at::Tensor int4_linear_q8_gemm_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                                    const at::Tensor& mins8, int64_t group, int64_t N);
 std::vector<at::Tensor> int8_pack_rows8(const at::Tensor& qweight, const at::Tensor& scales);
 at::Tensor int8_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8, int64_t N);
 std::vector<at::Tensor> int8g_pack_rows8(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,

@@ -58,6 +58,11 @@ struct Linear {
   bool takes_u8_alone(int64_t rows) const {
     return kind != LinearKind::kPython && !takes_bf16(rows) && takes_u8(rows) && !bias && !inv_input_scale;
   }
+  // the same for int4_linear_q8_gemm (int4_linear_q8_gemm_silu), a call neither path above takes
+  bool takes_int4_gemm_alone(int64_t rows) const {
+    return (kind == LinearKind::kInt4 || kind == LinearKind::kInt4Q8) && packed8 && rows >= gemm_min_rows &&
+           !takes_bf16(rows) && !takes_u8(rows) && !bias && !inv_input_scale;
+  }
 
   at::Tensor operator()(const at::Tensor& x_in) const {
     if (kind == LinearKind::kPython) {
@@ -274,6 +279,9 @@ class DecoderLoop {
         act = u8_linear_q8_gemm_silu(contiguous(x), u8[0], u8[1], u8[2], gu.out_features, gu.u8_x_runs,
                                      gu.u8_pow2_x_scales);
         timer.mark(kGateUp);
+      } else if (int4_silu_ && fast && gu.takes_int4_gemm_alone(x.size(0)) && gu.w.size(0) % 16 == 0) {
+        act = int4_linear_q8_gemm_silu(contiguous(x), *gu.packed8, *gu.scales8, *gu.mins8, gu.group, gu.w.size(0));
+        timer.mark(kGateUp);  // the same values, one pass
       } else {
         act = contiguous(lw.gate_up(x));
         timer.mark(kGateUp);
@@ -320,6 +328,9 @@ class DecoderLoop {
   // the same for gate_up calls on the 8-bit GEMM (u8_linear_q8_gemm_silu: bit-identical to the two calls)
   void set_u8_silu(bool on) { u8_silu_ = on; }
 
+  // and for gate_up calls on the int4 int8-activation GEMM (int4_linear_q8_gemm_silu: bit-identical)
+  void set_int4_silu(bool on) { int4_silu_ = on; }
+
   // Profiling: per-part seconds summed over the forward calls since it was switched on.
   void set_profiling(bool on) {
     profiling_ = on;
@@ -346,6 +357,7 @@ class DecoderLoop {
   bool fast_silu_ = false;
   bool gemm_silu_ = false;
   bool u8_silu_ = false;
+  bool int4_silu_ = false;
   bool bf16_pv_ = false;
   bool int8_tiles_ = false;
   bool int8_decode_ = false;
@@ -394,6 +406,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
   m.def("int4_linear_q8_gemm", &int4_linear_q8_gemm, nogil,
         "int4_linear_q8 for many rows of x: u8 x s8 multiply-adds over 8 weight rows at once");
+  m.def("int4_linear_q8_gemm_silu", &int4_linear_q8_gemm_silu, nogil,
+        "silu_mul(int4_linear_q8_gemm(x, ...), fast=True) for packed [gate | up] (n = 2 I), from the output tiles");
   m.def("paged_attention", &paged_attention, nogil, arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"),
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
         arg("window") = 0, arg("softcap") = 0.0, arg("wide_rows") = 0, arg("int8_rows") = 0,
@@ -456,6 +470,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "gate_up calls on the AMX bfloat16 kernel apply the fast SiLU to their output tiles")
       .def("set_u8_silu", &DecoderLoop::set_u8_silu,
            "gate_up calls on the 8-bit GEMM apply the fast SiLU to their output tiles")
+      .def("set_int4_silu", &DecoderLoop::set_int4_silu,
+           "gate_up calls on the int4 int8-activation GEMM apply the fast SiLU to their output tiles")
       .def("set_fast_silu", &DecoderLoop::set_fast_silu,
            "SiLU with the vectorized exp where the down projection rounds its input (int8 / bfloat16 x)")
       .def("set_profiling", &DecoderLoop::set_profiling, "switch per-part timing on (and reset it) or off")

@@ -266,14 +266,8 @@ void silu_mul_fast_rows(const float* gp, float* op, int64_t T, int64_t I) {
 #if defined(__AVX2__) && defined(__FMA__)
       // 8 lanes of sigmoid_fast, the same operations in the same order (GCC leaves the scalar loop,
       // floorf included, unvectorized)
-      const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
-      for (; i + 8 <= I; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
-        const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
-        const __m256 e = hasten_attention::exp_nonpositive8(_mm256_blendv_ps(_mm256_sub_ps(zero, x), x, neg));
-        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-      }
+      for (; i + 8 <= I; i += 8)
+        _mm256_storeu_ps(o + i, hasten_attention::silu_mul_fast8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
       for (; i < I; ++i) o[i] = g[i] * sigmoid_fast(g[i]) * u[i];
     }

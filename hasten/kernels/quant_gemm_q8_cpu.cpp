@@ -344,8 +344,11 @@ std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tenso
   return {packed, s8, m8};
 }
 
-at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
-                               const at::Tensor& mins8, int64_t group, int64_t N) {
+#include "quant_gemm_q8_silu.h"  // the gate_up form: int4_linear_q8_gemm_silu
+
+// int4_linear_q8_gemm, or with silu its gate_up form int4_linear_q8_gemm_silu ([M, N / 2])
+static at::Tensor int4_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                               const at::Tensor& mins8, int64_t group, int64_t N, bool silu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N8 = (N + 7) / 8;
   TORCH_CHECK(group > 0 && group % kChunk == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
@@ -357,7 +360,9 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == N8 &&
                     t->size(1) == G && t->size(2) == 8,
                 "scales8 and mins8 must be the float32 [ceil(N / 8), K / group, 8] of int4_pack_rows8");
-  auto y = at::empty({M, N}, x.options());
+  TORCH_CHECK(!silu || N % 16 == 0, "int4_linear_q8_gemm_silu: N = 2 I with I a multiple of 8, got N = ", N);
+  if (silu && !int4_silu_from_tiles(M)) return silu_mul(int4_q8_gemm(x, packed, scales8, mins8, group, N, false), true);
+  auto y = at::empty({M, silu ? N / 2 : N}, x.options());
   if (M == 0 || N == 0) return y;
   const QuantizedX xq(x, group);
   const int8_t* xqp = xq.q.data_ptr<int8_t>();
@@ -367,6 +372,12 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
   const float* sp = scales8.data_ptr<float>();
   const float* mp = mins8.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(__AVX2__) && defined(__FMA__)
+  if (silu) {
+    int4_silu_tiles(M, N / 2, K, G, per_group, xqp, xdp, xsp, wp, sp, mp, yp);
+    return y;
+  }
+#endif
   const int64_t bytes = (K / 8) * 32;  // one packed block
   // the 8-row tiles over block nb, rows m .. m + R of x
   auto narrow = [&](auto rows, int64_t nb, int64_t m) {
@@ -399,6 +410,16 @@ at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, co
 #endif
   over_blocks8(N8, M, narrow);
   return y;
+}
+
+at::Tensor int4_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                               const at::Tensor& mins8, int64_t group, int64_t N) {
+  return int4_q8_gemm(x, packed, scales8, mins8, group, N, false);
+}
+
+at::Tensor int4_linear_q8_gemm_silu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales8,
+                                    const at::Tensor& mins8, int64_t group, int64_t N) {
+  return int4_q8_gemm(x, packed, scales8, mins8, group, N, true);
 }
 
 // ---- int8 weights (per-row scale) ---------------------------------------------------------------

@@ -74,6 +74,13 @@ def int4_linear_q8_gemm(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Te
     return _module().int4_linear_q8_gemm(x, packed, scales8, mins8, group, n)
 
 
+def int4_linear_q8_gemm_silu(x: torch.Tensor, packed: torch.Tensor, scales8: torch.Tensor, mins8: torch.Tensor,
+                             group: int, n: int) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] = int4_linear_q8_gemm(x, ...) (n = 2 I, I a multiple of 8), taken
+    from the output tiles: bit-identical to silu_mul(int4_linear_q8_gemm(x, ...), fast=True), [M, I]."""
+    return _module().int4_linear_q8_gemm_silu(x, packed, scales8, mins8, group, n)
+
+
 def int8_pack_rows8(qweight: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
     """The weight in int8_linear_q8_gemm's layout: (packed int8 [ceil(N/8), K/4, 8, 4], scales float32
     [ceil(N/8) * 8]); 8 weight rows side by side (quant_gemm_q8_cpu.cpp)."""

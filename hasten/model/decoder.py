@@ -136,12 +136,13 @@ class Decoder:
 
     def apply_cpu_switches(self, config: Any) -> None:
         """An EngineConfig's switches of the CPU paths: prefill attention (prefill_attention), fast_silu,
-        quant_bf16_gemm_silu, quant_u8_gemm_silu and last_layer_sampled_rows."""
+        quant_bf16_gemm_silu, quant_u8_gemm_silu, quant_int4_gemm_silu and last_layer_sampled_rows."""
         self.set_prefill_attention(prefill_attention(self, config))
         self.set_fast_silu(config.fast_silu)
         if self.loop is not None:
             self.loop.set_gemm_silu(bool(config.quant_bf16_gemm_silu))
             self.loop.set_u8_silu(bool(config.quant_u8_gemm_silu))
+            self.loop.set_int4_silu(bool(config.quant_int4_gemm_silu))
         self.last_layer_sampled_rows = bool(config.last_layer_sampled_rows)
 
     def set_fast_silu(self, on: bool) -> None:
