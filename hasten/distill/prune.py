@@ -1,14 +1,11 @@
-"""Layer pruning: which decoder layers matter least, and a copy of the model without them.
+"""Layer pruning by block influence: which decoder layers change the hidden state least, and a copy
+of the model without them.
 
 Block influence (ShortGPT, Men et al. 2024) of layer i is 1 - cos(x_i, x_{i+1}) averaged over the
 tokens of calibration text, where x_i is the residual stream entering layer i: a layer whose output
-points where its input did adds little and is the first to go. It scores each layer alone; the
-greedy selection (`greedy_removal`) instead measures what removing a layer does to the model's
-output (the KL from the original's next-token distribution on calibration text) with the layers
-already chosen removed, one layer per round, among the candidates block influence ranks lowest.
-The pruned model is the same transformers class with fewer layers (renumbered, per-layer config
-lists such as `layer_types` sliced), saved as a normal Hugging Face folder that hasten and
-transformers both load.
+points where its input did adds little and is the first to go. The pruned model is the same
+transformers class with fewer layers (renumbered, per-layer config lists such as `layer_types`
+sliced), saved as a normal Hugging Face folder that hasten and transformers both load.
 """
 
 from __future__ import annotations
@@ -64,51 +61,6 @@ def least_influential(scores: Sequence[float], k: int) -> list[int]:
         raise ValueError(f"--layers must be between 1 and {len(scores) - 1} for a {len(scores)}-layer model, not {k}")
     order = sorted(range(len(scores)), key=lambda i: (scores[i], -i))
     return sorted(order[:k])
-
-
-@torch.no_grad()
-def greedy_removal(model: Any, sequences: Sequence[Sequence[int]], k: int, candidates: Sequence[int],
-                   log: Any = None) -> tuple[list[int], list[float]]:
-    """k layers chosen among `candidates` one round at a time: each round removes the layer whose
-    removal (with the earlier rounds' layers removed too) gives the lowest mean KL(original || pruned)
-    per token over `sequences`. Returns the layers in layer order and each round's KL. The model is
-    left as it was."""
-    layers = decoder_layers(model)
-    n = len(layers)
-    pool = sorted(set(candidates))
-    if not 0 < k <= len(pool) or pool[0] < 0 or pool[-1] >= n or k >= n:
-        raise ValueError(f"cannot choose {k} of the candidate layers {pool} in a {n}-layer model")
-    model.eval()
-    batches = [torch.tensor([list(ids)]) for ids in sequences if len(ids) > 0]
-    if not batches:
-        raise ValueError("the greedy selection needs at least one calibration token")
-    reference = [torch.log_softmax(model(x, use_cache=False).logits[0].float(), -1).to(torch.float16)
-                 for x in batches]
-    count = sum(x.shape[1] for x in batches)
-
-    def kl_without(drop: set[int]) -> float:
-        model.model.layers = torch.nn.ModuleList([layers[i] for i in range(n) if i not in drop])
-        total = 0.0
-        for x, ref in zip(batches, reference, strict=True):
-            logp = torch.log_softmax(model(x, use_cache=False).logits[0].float(), -1)
-            p = ref.float()
-            total += float((p.exp() * (p - logp)).sum())
-        return total / count
-
-    chosen: list[int] = []
-    kls: list[float] = []
-    try:
-        for _ in range(k):
-            trials = {c: kl_without(set(chosen) | {c}) for c in pool if c not in chosen}
-            best = min(trials, key=lambda c: (trials[c], -c))
-            chosen.append(best)
-            kls.append(trials[best])
-            if log is not None:
-                log(f"round {len(chosen)}: layer {best} (KL {trials[best]:.4f}; "
-                    + ", ".join(f"{c}:{v:.3f}" for c, v in sorted(trials.items())) + ")")
-    finally:
-        model.model.layers = layers
-    return sorted(chosen), kls
 
 
 def remove_layers(model: Any, drop: Sequence[int]) -> Any:

@@ -15,7 +15,6 @@ from hasten import LLM, SamplingParams  # noqa: E402
 from hasten.distill import cli  # noqa: E402
 from hasten.distill.prune import (  # noqa: E402
     block_influence,
-    greedy_removal,
     least_influential,
     mlp_channel_importance,
     narrow_mlps,
@@ -49,49 +48,6 @@ def test_block_influence_finds_the_layer_that_does_nothing(tiny):
     assert least_influential(scores, 1) == [1]
     with pytest.raises(ValueError, match="between 1 and 3"):
         least_influential(scores, 4)
-
-
-def _kl_after_removing(path, drop, seqs) -> float:
-    """Mean KL(original || pruned) per token, the pruned model built separately by remove_layers."""
-    original, pruned = _load(path), remove_layers(_load(path), drop)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids in seqs:
-            x = torch.tensor([ids])
-            p = torch.log_softmax(original(x, use_cache=False).logits[0].float(), -1)
-            q = torch.log_softmax(pruned(x, use_cache=False).logits[0].float(), -1)
-            total += float((p.exp() * (p - q)).sum())
-            count += len(ids)
-    return total / count
-
-
-def test_greedy_removal_takes_the_measured_best_layer_each_round(tiny):
-    seqs = _seqs(2, 24, 7)
-    model = _load(tiny)
-    before = model(torch.tensor([seqs[0]]), use_cache=False).logits
-    drop, kls = greedy_removal(model, seqs, 2, [0, 1, 2, 3])
-    # round 1: the single layer whose removal gives the lowest KL, measured on separately pruned copies
-    singles = {i: _kl_after_removing(tiny, [i], seqs) for i in range(4)}
-    first = min(singles, key=singles.get)
-    assert first in drop and kls[0] == pytest.approx(singles[first], rel=2e-2, abs=1e-4)
-    pairs = {j: _kl_after_removing(tiny, sorted({first, j}), seqs) for j in range(4) if j != first}
-    second = min(pairs, key=pairs.get)
-    assert drop == sorted([first, second]) and kls[1] == pytest.approx(pairs[second], rel=2e-2, abs=1e-4)
-    assert kls[0] <= kls[1]
-    # the model is left whole
-    assert len(model.model.layers) == 4
-    assert torch.equal(model(torch.tensor([seqs[0]]), use_cache=False).logits, before)
-    with pytest.raises(ValueError, match="cannot choose"):
-        greedy_removal(model, seqs, 3, [1, 2])
-
-
-def test_greedy_removal_finds_the_layer_that_does_nothing(tiny):
-    model = _load(tiny)
-    layer = model.model.layers[2]
-    torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
-    torch.nn.init.zeros_(layer.mlp.down_proj.weight)
-    drop, kls = greedy_removal(model, _seqs(2, 24, 1), 1, range(4))
-    assert drop == [2] and kls[0] < 1e-6
 
 
 @pytest.mark.parametrize("arch,kwargs,drop", [
@@ -217,8 +173,7 @@ def test_cli_prunes_heals_writes_and_refuses_bad_input(tiny, tmp_path, capsys):
     assert e.value.code == 2 and "already holds" in capsys.readouterr().err
     for bad, message in ((["--layers", "4"], "between 1 and 3"), (["--out", tiny], "own folder"),
                          (["--mlp-keep", "1.5"], "share of the MLP channels"),
-                         (["--precision", "float8"], "invalid choice"),
-                         (["--select", "greedy", "--select-tokens", "0"], "--select-tokens")):
+                         (["--precision", "float8"], "invalid choice")):
         with pytest.raises(SystemExit):
             cli.main(["prune", *args, "--out", str(tmp_path / "other"), *bad])
         assert message in capsys.readouterr().err
@@ -227,16 +182,13 @@ def test_cli_prunes_heals_writes_and_refuses_bad_input(tiny, tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("select", [[], ["--select", "greedy", "--select-tokens", "96", "--candidates-extra", "1"]])
-def test_cli_time_budget_writes_the_student_so_far_and_resumes(tiny, tmp_path, select):
+def test_cli_time_budget_writes_the_student_so_far_and_resumes(tiny, tmp_path):
     out = tmp_path / "student"
     args = ["prune", tiny, "--layers", "2", "--out", str(out), "--seq-len", "48", "--calib-tokens", "2048",
-            "--heldout-tokens", "480", "--steps", "6", "--eval-every", "3", *select]
+            "--heldout-tokens", "480", "--steps", "6", "--eval-every", "3"]
     assert cli.main([*args, "--max-minutes", "0"]) == 3
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 0 and not report["finished"]
-    assert report["selection"] == ("greedy" if select else "influence")
-    assert len(report["selection_kl"]) == (2 if select else 0)  # the resumed run chooses the same layers
     assert (out / "distill-checkpoint.pt").exists() and _load(str(out)).config.num_hidden_layers == 2
     assert cli.main(args) == 0  # the same command again: resumed and finished
     report = json.loads((out / "distill.json").read_text())
