@@ -14,7 +14,7 @@ from hasten.kernels import cpu_features, quant_linear
 from hasten.quant.evaluate import sequence_logits
 from hasten.quant.formats import GroupedInt8Weight, quantize_int4, quantize_int8
 from hasten.quant.kernels import make_layer
-from tests.quant.wide_paths import IDS, assert_loops_agree, small_engine
+from tests.quant.wide_paths import IDS, assert_loops_agree, native_and_python, small_engine
 
 needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
 
@@ -117,10 +117,7 @@ def engine(model: str, **options) -> LLM:
 def test_the_cpp_loop_takes_the_bf16_path_bit_identically(tiny_model, options):
     """(On AMX CPUs the C++ loop's gate_up calls take SiLU from their output tiles unless
     quant_bf16_gemm_silu is off; the Python loop never does: the same bits either way.)"""
-    native = engine(tiny_model, quant_bf16_gemm="on", **options)
-    python = engine(tiny_model, quant_bf16_gemm="on", native_decoder_loop=False, **options)
-    if native.engine.model.loop is None:
-        pytest.skip("the C++ layer loop does not build here")
+    native, python = native_and_python(engine, tiny_model, quant_bf16_gemm="on", **options)
     assert_loops_agree(native, python)
     layer = python.engine.model.layers[0].qkv_proj
     assert layer.bf16_weight is not None and layer.calls["bf16"] > 0

@@ -11,7 +11,7 @@ import torch
 from hasten.kernels import quant_linear
 from hasten.quant.formats import pack_nibbles
 from tests.quant.test_quant_linear_kernel import q8_reference, random_weight
-from tests.quant.wide_paths import assert_loops_agree, small_engine
+from tests.quant.wide_paths import assert_loops_agree, native_and_python, small_engine
 
 pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
 
@@ -67,8 +67,4 @@ def test_the_cpp_loop_takes_silu_from_the_int4_tiles_bit_identically(tiny_model,
     gate_up calls with SiLU from the tiles (or not) against the Python loop's two calls."""
     options = {"quant_int4_kernel": "hasten-q8", "quant_u8_gemm": "off", "quant_bf16_gemm": "off",
                "quant_int4_gemm_silu": silu}
-    native = small_engine(tiny_model, **options)
-    python = small_engine(tiny_model, native_decoder_loop=False, **options)
-    if native.engine.model.loop is None:
-        pytest.skip("the C++ layer loop does not build here")
-    assert_loops_agree(native, python)
+    assert_loops_agree(*native_and_python(small_engine, tiny_model, **options))

@@ -7,7 +7,7 @@ import pytest
 
 from hasten import SamplingParams
 from hasten.kernels import quant_linear
-from tests.quant.wide_paths import IDS, assert_loops_agree, small_engine
+from tests.quant.wide_paths import IDS, assert_loops_agree, native_and_python, small_engine
 
 needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
 
@@ -15,10 +15,7 @@ needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kern
 @needs_kernels
 def test_the_cpp_loop_takes_one_row_calls_to_the_gemm_bit_identically(tiny_model):
     options = {"quant_int4_kernel": "hasten-q8", "quant_q8_gemm_one_row": "on"}
-    native = small_engine(tiny_model, **options)
-    python = small_engine(tiny_model, native_decoder_loop=False, **options)
-    if native.engine.model.loop is None:
-        pytest.skip("the C++ layer loop does not build here")
+    native, python = native_and_python(small_engine, tiny_model, **options)
     assert_loops_agree(native, python)
     assert python.engine.model.layers[0].gate_up_proj.gemm_min_rows == 1
 

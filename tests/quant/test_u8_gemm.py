@@ -13,7 +13,7 @@ from hasten.kernels import cpu_features, quant_linear
 from hasten.quant.evaluate import sequence_logits
 from hasten.quant.formats import quantize_int4, quantize_int8
 from hasten.quant.kernels import make_layer
-from tests.quant.wide_paths import IDS, assert_loops_agree, small_engine
+from tests.quant.wide_paths import IDS, assert_loops_agree, native_and_python, small_engine
 
 needs_kernels = pytest.mark.skipif(quant_linear.load() is None, reason="C++ kernels cannot be built here")
 
@@ -253,10 +253,7 @@ def test_the_cpp_loop_takes_the_u8_path_bit_identically(tiny_model, x_runs, pow2
     the Python loop never does: the same bits either way.)"""
     options = {"quant_u8_gemm": "on", "quant_u8_gemm_x_runs": x_runs, "quant_u8_gemm_pow2_x_scales": pow2,
                "quant_u8_gemm_silu": silu}
-    native = engine(tiny_model, **options)
-    python = engine(tiny_model, native_decoder_loop=False, **options)
-    if native.engine.model.loop is None:
-        pytest.skip("the C++ layer loop does not build here")
+    native, python = native_and_python(engine, tiny_model, **options)
     assert_loops_agree(native, python)
     layer = python.engine.model.layers[0].gate_up_proj
     assert layer.u8_weight is not None and layer.calls["u8"] > 0

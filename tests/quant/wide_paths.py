@@ -1,8 +1,12 @@
 """Shared by the tests of the quantized layers' wide-call paths (quant_bf16_gemm, quant_u8_gemm): prompt
-ids, a small engine over the tiny model, and the check that the C++ layer loop matches the Python one."""
+ids, a small engine over the tiny model, the same engine with the C++ and with the Python layer loop, and
+the check that the two loops match."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from hasten import LLM, SamplingParams
@@ -16,6 +20,16 @@ def small_engine(model: str, **options) -> LLM:
     kw = dict(num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=24, quantization="int4")
     kw.update(options)
     return LLM(model, **kw)
+
+
+def native_and_python(build: Callable[..., LLM], model: str, **options) -> tuple[LLM, LLM]:
+    """`build(model, **options)` with the C++ layer loop and with the Python loop (the test skips where
+    the C++ loop does not build)."""
+    native = build(model, **options)
+    python = build(model, native_decoder_loop=False, **options)
+    if native.engine.model.loop is None:
+        pytest.skip("the C++ layer loop does not build here")
+    return native, python
 
 
 def assert_loops_agree(native: LLM, python: LLM) -> None:
