@@ -9,12 +9,15 @@
    of quant_u8_gemm (u8_linear_q8_gemm over u8_pack_rows16's copy) over 30 such layers at 16, 64, 256
    and 512 rows (a prefill step's 512 tokens: what bounds a burst's last TTFT), with x's per-32 scales
    as they are and rounded up to powers of two (quant_u8_gemm_pow2_x_scales), alternating, best of
-   --rounds each; and the int4 GEMM at 1-8 rows (a speculative verification step's 1 + k rows);
+   --rounds each; and the int4 GEMM at 1-8 rows (a speculative verification step's 1 + k rows); the
+   int4 GEMM at 64, 256 and 512 rows with x in 16 KB panels (quant_q8_gemm_x_panel) against all rows at
+   once, alternating (medians);
    and the 30 layers' gate_up with SiLU-multiply at 16, 64, 256 and 512 rows: int4_linear_q8_gemm then
    silu_mul (fast) against int4_linear_q8_gemm_silu (quant_int4_gemm_silu), 10 x --rounds passes each,
    alternating (medians);
-3. paged decode attention, 16 sequences x 300 tokens, 30 layers of float16 KV from memory, and one
-   layer's pool cache-resident;
+3. paged decode attention, 16 sequences x 300 tokens over 30 layers' float16 and float32 KV from memory,
+   one layer's float16 pool cache-resident, and 48 x 500 tokens of float32 KV: the block ahead requested a
+   few lines per step (attention_spread_prefetch) against in one burst, alternating (medians);
 4. (unless --skip-engine) the GGUF engine: one 256-token prefill (best of 4) and a 16-sequence decode
    step at 300 tokens (mean of 20), quant_q8_gemm_wide_rows=0 fast_silu=False against the defaults,
    --rounds interleaved rounds.
@@ -139,20 +142,65 @@ def bf16_rate(rows: int, gen: torch.Generator) -> float:
     return sum(rows * n * k for n, k in SHAPES) / sec / 1e9
 
 
-def decode_attention_ms(layers: int = 30) -> float:
-    """ms per pass of paged decode attention over `layers` layers' float16 pools (30: from memory, as in
-    a decode step; 1: the pool cache-resident)."""
+def decode_attention_ms(layers: int = 30, dtype: torch.dtype = torch.float16, seqs: int = 16, ctx: int = 300,
+                        passes: int = 10) -> tuple[float, float, float]:
+    """Paged decode attention of `seqs` sequences x `ctx` tokens over `layers` layers' pools (30: from
+    memory, as in a decode step; 1: the pool cache-resident, 30 calls): median ms per pass with the block
+    ahead requested a few lines per step (attention_spread_prefetch) and in one burst, the two alternating
+    `passes` times each, and the median of the per-pass ratios."""
     from hasten.kernels import cpu_attention
 
     mod = cpu_attention.load()
-    seqs, ctx, bs, heads, kv_heads, d, pool = 16, 300, 16, 9, 3, 64, 1500
-    caches = [(torch.randn(pool, bs, kv_heads, d).half(), torch.randn(pool, bs, kv_heads, d).half())
-              for _ in range(layers)]
+    bs, heads, kv_heads, d = 16, 9, 3, 64
     nb = -(-ctx // bs)
+    pool = seqs * nb + 64
+    caches = [(torch.randn(pool, bs, kv_heads, d).to(dtype), torch.randn(pool, bs, kv_heads, d).to(dtype))
+              for _ in range(layers)]
     tables = torch.randperm(pool)[: seqs * nb].view(seqs, nb).to(torch.int32)
     q = torch.randn(seqs, heads, d)
     qs, cl = torch.arange(seqs + 1), torch.full((seqs,), ctx)
-    return best_ms(lambda: [mod.paged_attention(q, k, v, tables, qs, cl, 0.125) for k, v in caches], 10, 1)
+    calls = [kv for _ in range(30 // layers) for kv in caches]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(passes + 1):
+        for spread in (True, False) if i % 2 == 0 else (False, True):
+            t = time.perf_counter()
+            for k, v in calls:
+                mod.paged_attention(q, k, v, tables, qs, cl, 0.125, spread_prefetch=spread)
+            if i > 0:  # the first pass of each warms up
+                times[spread].append((time.perf_counter() - t) * 1e3)
+    ratios = [b / a for a, b in zip(times[True], times[False], strict=True)]
+    return statistics.median(times[True]), statistics.median(times[False]), statistics.median(ratios)
+
+
+def x_panel_rates(layers: list[tuple], rows_list: tuple[int, ...], gen: torch.Generator,
+                  passes: int) -> dict[int, tuple[float, float, float]]:
+    """Per row count: GMAC/s over `layers` (one pass, the 8-row tiles) with x in panels
+    (quant_q8_gemm_x_panel, 16 KB) and all rows at once, the two alternating `passes` times each (medians),
+    and the median of the per-pass ratios."""
+    from hasten.kernels.quant_linear import int4_linear_q8_gemm, set_q8_gemm_wide_rows, set_q8_gemm_x_panel
+
+    macs = sum(n * k for n, k, *_ in layers)
+    out = {}
+    set_q8_gemm_wide_rows(0)
+    try:
+        for rows in rows_list:
+            xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+            times: dict[int, list[float]] = {16384: [], 0: []}
+            for i in range(passes + 1):
+                for panel in (16384, 0) if i % 2 == 0 else (0, 16384):
+                    set_q8_gemm_x_panel(panel)
+                    t = time.perf_counter()
+                    for n, k, p, s, m in layers:
+                        int4_linear_q8_gemm(xs[k], p, s, m, 32, n)
+                    if i > 0:
+                        times[panel].append(time.perf_counter() - t)
+            ratios = [b / a for a, b in zip(times[16384], times[0], strict=True)]
+            out[rows] = (rows * macs / statistics.median(times[16384]) / 1e9,
+                         rows * macs / statistics.median(times[0]) / 1e9, statistics.median(ratios))
+    finally:
+        set_q8_gemm_x_panel(16384)
+        set_q8_gemm_wide_rows(8)
+    return out
 
 
 def engine_ab(options: dict) -> tuple[float, float]:
@@ -203,6 +251,9 @@ def main() -> None:
     macs = sum(n * k for n, k, *_ in cold)
     print("   verification-sized calls, 30 layers from memory (ms): "
           + "  ".join(f"{rows} rows {rows * macs / gemm_rates(cold, rows, 8, gen) / 1e6:.2f}" for rows in range(1, 9)))
+    panels = x_panel_rates(cold, (64, 256, 512), gen, 5 * args.rounds)
+    print("   x in 16 KB panels / all rows at once (quant_q8_gemm_x_panel), 30 layers from memory (median GMAC/s, "
+          "median ratio): " + "  ".join(f"{rows} rows {a:.0f} / {b:.0f} ({r:.2f}x)" for rows, (a, b, r) in panels.items()))
     silu = gate_up_silu_ms(cold, (16, 64, 256, 512), gen, 10 * args.rounds)
     print("   gate_up + SiLU-multiply, 30 layers from memory (median ms, GEMM then silu_mul / from the tiles, "
           "median ratio): " + "  ".join(f"{rows} rows {a:.2f} / {b:.2f} ({r:.2f}x)" for rows, (a, b, r) in silu.items()))
@@ -213,8 +264,14 @@ def main() -> None:
         rates = u8_rates(30, (16, 64, 256, 512), gen, args.rounds)
         print("   8-bit GEMM (quant_u8_gemm), 30 layers from memory (GMAC/s, x scales per 32 / as powers of two): "
               + "  ".join(f"{rows} rows {f:.0f} / {p:.0f} ({p / f:.2f}x)" for rows, (f, p) in rates.items()))
-    print(f"3. decode attention, 16 x 300 tokens, 30 layers of float16 KV from memory: {decode_attention_ms():.2f} ms"
-          f" (one layer's pool, cache-resident: {decode_attention_ms(1):.3f} ms)")
+    print("3. decode attention (attention_spread_prefetch): median ms per pass over 30 layers, the block ahead "
+          "requested spread / in one burst (median ratio)")
+    for dtype, seqs, ctx, layers in ((torch.float16, 16, 300, 30), (torch.float16, 16, 300, 1),
+                                     (torch.float32, 16, 300, 30), (torch.float32, 48, 500, 30)):
+        spread, burst, ratio = decode_attention_ms(layers, dtype, seqs, ctx, 5 * args.rounds)
+        where = "from memory" if layers > 1 else "one layer's pool 30 times, cache-resident"
+        print(f"   {str(dtype).removeprefix('torch.')} KV, {seqs} x {ctx} tokens, {where}: {spread:.2f} / {burst:.2f} ms"
+              f" ({ratio:.2f}x)")
     if args.skip_engine:
         return
     configs = {"wide_rows=0 fast_silu=False": {"quant_q8_gemm_wide_rows": 0, "fast_silu": False}, "defaults": {}}

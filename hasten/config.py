@@ -64,6 +64,9 @@ class EngineConfig:
     # AVX-512 VNNI: from this many rows of x (prefill chunks, decode batches) the int8-activation GEMMs
     # take 16 weight rows per register and up to 8 rows of x per tile (0: the 8-row tiles throughout)
     quant_q8_gemm_wide_rows: int = 8
+    # the 8-row tiles of those GEMMs take x in panels of this many bytes of int8 rows, each held in L1 while
+    # every block of a task passes over it (0: all rows at once, x streaming past each block)
+    quant_q8_gemm_x_panel: int = 16384
     quant_kernel_max_rows: int = 32  # rows (tokens) up to which the packed kernels run; above: dequant + GEMM
     # wide calls (prefill chunks, big decode batches) in bfloat16 against a bfloat16 copy of each quantized
     # weight (+2 bytes per weight): auto = on where the CPU has AMX tiles | on | off
@@ -129,6 +132,9 @@ class EngineConfig:
     # | on | off; a float32 cache always keeps its exact path
     attention_lane_tiles: str = "auto"
     attention_lane_tiles_min_tokens: int = 4
+    # cpp attention walking a sequence's cache blocks: the block two ahead is requested a few lines per step
+    # of the score and value loops; False: all its lines at once when the walk starts a block
+    attention_spread_prefetch: bool = True
     # cpp attention: in a step without prompt logprobs or hidden-state readers, the last layer writes every
     # row's keys and values but runs attention, o_proj and the MLP only for the rows whose logits are sampled
     last_layer_sampled_rows: bool = True

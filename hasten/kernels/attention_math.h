@@ -15,6 +15,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "attention_prefetch.h"
 #include "float_tiles.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -173,9 +174,10 @@ inline __m256 load8(const int8_t* p) {
 // sums of a row are reduced together (two rounds of horizontal adds) instead of one by one.
 template <int NR, int NK, typename C>
 inline void scores_avx2(const float* q, const C* k, int64_t stride, int64_t n, int64_t D, float* s,
-                        int64_t s_stride) {
+                        int64_t s_stride, LineQueue* lines = nullptr) {
   int64_t j = 0;
   for (; j + NK <= n; j += NK) {
+    if (lines) lines->request(2);
     __m256 a[NR][NK];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NK; ++c) a[r][c] = _mm256_setzero_ps();
@@ -212,7 +214,7 @@ inline void scores_avx2(const float* q, const C* k, int64_t stride, int64_t n, i
 // the 16 registers (attention_int8_decode.h's values_pv takes VC = 2 there: with VC = 4 it spilled).
 template <int NR, int VC, typename RowAt>
 inline void accumulate_rows_avx2(const RowAt& row_at, int64_t n, int64_t D, const float* p, int64_t p_stride,
-                                 const float* corr, float* acc) {
+                                 const float* corr, float* acc, LineQueue* lines = nullptr) {
   int64_t d = 0;
   for (; d + 8 * VC <= D; d += 8 * VC) {
     __m256 a[NR][VC];
@@ -220,6 +222,7 @@ inline void accumulate_rows_avx2(const RowAt& row_at, int64_t n, int64_t D, cons
       for (int c = 0; c < VC; ++c)
         a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8 * c), _mm256_set1_ps(corr[r]));
     for (int64_t j = 0; j < n; ++j) {
+      if (lines) lines->request(1);
       __m256 pv[NR];
       for (int r = 0; r < NR; ++r) pv[r] = _mm256_broadcast_ss(p + r * p_stride + j);
       const auto* vr = row_at(j) + d;
@@ -245,9 +248,9 @@ inline void accumulate_rows_avx2(const RowAt& row_at, int64_t n, int64_t D, cons
 // accumulate_rows_avx2 over n value rows `stride` apart from v.
 template <int NR, typename C>
 inline void accumulate_avx2(const C* v, int64_t stride, int64_t n, int64_t D, const float* p, int64_t p_stride,
-                            const float* corr, float* acc) {
+                            const float* corr, float* acc, LineQueue* lines = nullptr) {
   constexpr int VC = NR <= 3 ? 4 : 2;
-  accumulate_rows_avx2<NR, VC>([v, stride](int64_t j) { return v + j * stride; }, n, D, p, p_stride, corr, acc);
+  accumulate_rows_avx2<NR, VC>([v, stride](int64_t j) { return v + j * stride; }, n, D, p, p_stride, corr, acc, lines);
 }
 
 // exp_nonpositive on 8 lanes, the same operations in the same order (so the same values): GCC
@@ -363,9 +366,10 @@ inline void softcap_avx2(float* s, int64_t n, float cap) {
 
 template <int NR, bool kCap, typename C>
 inline void update_rows_avx2(const float* q, const C* k, const C* v, int64_t stride, int64_t n, int64_t D,
-                             float* s, int64_t s_stride, float* m, float* l, float* acc, float cap) {
+                             float* s, int64_t s_stride, float* m, float* l, float* acc, float cap,
+                             LineQueue* lines) {
   constexpr int NK = NR <= 3 ? 4 : 2;
-  scores_avx2<NR, NK>(q, k, stride, n, D, s, s_stride);
+  scores_avx2<NR, NK>(q, k, stride, n, D, s, s_stride, lines);
   [[maybe_unused]] float kscale[kMaxKeys], vscale[kMaxKeys];
   if constexpr (std::is_same_v<C, int8_t>) {
     for (int64_t j = 0; j < n; ++j) {
@@ -386,7 +390,7 @@ inline void update_rows_avx2(const float* q, const C* k, const C* v, int64_t str
     if constexpr (std::is_same_v<C, int8_t>)  // the value rows' scales ride on the weights
       for (int64_t j = 0; j < n; ++j) sr[j] *= vscale[j];
   }
-  accumulate_avx2<NR>(v, stride, n, D, s, s_stride, corr, acc);
+  accumulate_avx2<NR>(v, stride, n, D, s, s_stride, corr, acc, lines);
 }
 #endif
 
@@ -408,7 +412,8 @@ constexpr bool reads_in_place() {
 // C is float, or (in-place readers only, D % 8 == 0) the narrower cache type. kCap: scores soft-capped.
 template <bool kCap, typename C>
 inline void update_rows(const float* q, int64_t rows, const C* k, const C* v, int64_t stride, int64_t n,
-                        int64_t D, float* s, int64_t s_stride, float* m, float* l, float* acc, float cap) {
+                        int64_t D, float* s, int64_t s_stride, float* m, float* l, float* acc, float cap,
+                        LineQueue* lines = nullptr) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
@@ -417,15 +422,16 @@ inline void update_rows(const float* q, int64_t rows, const C* k, const C* v, in
       const float* qr = q + r0 * D;
       float* ar = acc + r0 * D;
       switch (nr) {
-        case 1: update_rows_avx2<1, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap); break;
-        case 2: update_rows_avx2<2, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap); break;
-        case 3: update_rows_avx2<3, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap); break;
-        default: update_rows_avx2<4, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap); break;
+        case 1: update_rows_avx2<1, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap, lines); break;
+        case 2: update_rows_avx2<2, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap, lines); break;
+        case 3: update_rows_avx2<3, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap, lines); break;
+        default: update_rows_avx2<4, kCap>(qr, k, v, stride, n, D, sr, s_stride, m + r0, l + r0, ar, cap, lines); break;
       }
     }
     return;
   }
 #endif
+  (void)lines;
   if constexpr (std::is_same_v<C, float>) {
     for (int64_t r = 0; r < rows; ++r)
       update_row_generic<kCap>(q + r * D, k, v, stride, n, D, s + r * s_stride, m[r], l[r], acc + r * D, cap);

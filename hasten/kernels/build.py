@@ -101,6 +101,6 @@ CPU_KERNELS = Extension(
     ("quant_linear_cpu.cpp", "quant_linear_q8_cpu.cpp", "quant_gemm_q8_cpu.cpp", "paged_attention_cpu.cpp",
      "gemm_u8_cpu.cpp", "gemm_bf16_amx_cpu.cpp", "decoder_ops_cpu.cpp", "decoder_loop_cpu.cpp"),
     ("-ffp-contract=off",),
-    headers=("float_tiles.h", "int4_common.h", "attention_math.h", "attention_int8_scores.h", "attention_int8_decode.h",
-             "quant_gemm_q8_grouped.h", "quant_gemm_q8_silu.h", "attention_lane_tiles.h", "attention_groups.h", "attention_amx.h", "amx_tiles.h", "cpu_kernels.h"),
+    headers=("float_tiles.h", "int4_common.h", "attention_math.h", "attention_prefetch.h", "attention_int8_scores.h", "attention_int8_decode.h",
+             "quant_gemm_q8_grouped.h", "quant_gemm_q8_silu.h", "quant_gemm_q8_loops.h", "attention_lane_tiles.h", "attention_groups.h", "attention_amx.h", "amx_tiles.h", "cpu_kernels.h"),
 )

@@ -38,6 +38,7 @@ def paged_attention(
     int8_tiles: bool = False,
     int8_decode: bool = False,
     lane_tokens: int = 0,
+    spread_prefetch: bool = True,
 ) -> torch.Tensor:
     """See paged_attention_cpu.cpp for the layout. Raises RuntimeError if the kernel is unavailable.
 
@@ -62,13 +63,15 @@ def paged_attention(
     (attention_int8_decode.h: no packing), P V in float32. lane_tokens > 0 (an int8, float16 or bfloat16
     cache, a build with AVX2 + FMA; elsewhere ignored): sequences without a soft cap or a window short of
     key 0 attend in tiles of that many new tokens or more with their query rows in the vector lanes
-    (attention_lane_tiles.h), widening each block of keys and values once per tile."""
+    (attention_lane_tiles.h), widening each block of keys and values once per tile. spread_prefetch: a walk
+    over a sequence's blocks requests the block two ahead a few cache lines per step of its score and value
+    loops instead of all at once (attention_prefetch.h; no bit of the result changes)."""
     mod = _ext.module or load()
     if mod is None:
         raise RuntimeError(f"C++ paged attention unavailable: {_ext.error}")
     return mod.paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
                                window, softcap, wide_rows, int8_rows, int8_bf16_pv, int8_tiles, int8_decode,
-                               lane_tokens)
+                               lane_tokens, spread_prefetch)
 
 
 def amx_attention_available() -> bool:
@@ -99,3 +102,4 @@ def lane_tiles_available() -> bool:
     """Whether this build has paged_attention's lane_tokens path (AVX2 + FMA)."""
     mod = _ext.module or load()
     return mod is not None and bool(mod.attention_lane_tiles_built())
+

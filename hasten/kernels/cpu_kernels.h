@@ -16,6 +16,7 @@ at::Tensor int4_linear_gemm(const at::Tensor& x, const at::Tensor& codes, const 
                             const at::Tensor& mins, int64_t group);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales);
 void set_q8_gemm_wide_rows(int64_t rows);
+void set_q8_gemm_x_panel(int64_t bytes);
 bool q8_gemm_has_wide_tiles();
 bool q8_gemm_has_vnni();
 std::vector<at::Tensor> int4_pack_rows8(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
@@ -52,13 +53,14 @@ bool bf16_tiles_available();
 // TDPBUSD scores and TDPBF16PS P V, where the CPU has AMX-INT8 and AMX-BF16; int8_decode: the other
 // sequences over an int8 cache (decodes, short chunks) score q rounded to int8 against the key codes
 // read in place, VNNI; lane_tokens > 0: tiles of that many new tokens or more over an int8, float16 or
-// bfloat16 cache with their query rows in the vector lanes, attention_lane_tiles.h, AVX2)
+// bfloat16 cache with their query rows in the vector lanes, attention_lane_tiles.h, AVX2; spread_prefetch:
+// the block ahead requested a few lines per step of the loops, else in one burst, attention_prefetch.h)
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window = 0, double softcap = 0.0, int64_t wide_rows = 0,
                            int64_t int8_rows = 0, bool int8_bf16_pv = false, bool int8_tiles = false,
-                           bool int8_decode = false, int64_t lane_tokens = 0);
+                           bool int8_decode = false, int64_t lane_tokens = 0, bool spread_prefetch = true);
 bool attention_int8_has_tiles();
 bool attention_int8_decode_has_tiles();
 bool attention_lane_tiles_built();

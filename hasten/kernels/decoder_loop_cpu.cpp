@@ -262,7 +262,8 @@ class DecoderLoop {
       at::Tensor attn = paged_attention(contiguous(q), k_caches[i], v_caches[i], picked ? (*rows)[1] : block_tables,
                                         picked ? (*rows)[2] : query_start, picked ? (*rows)[3] : context_lens, scale_, 8,
                                         attention_group_, lw.window, 0.0, wide_attention_rows_, int8_attention_rows_,
-                                        bf16_pv_, int8_tiles_, int8_decode_, lane_tokens_);
+                                        bf16_pv_, int8_tiles_, int8_decode_, lane_tokens_,
+                                        spread_prefetch_);
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
@@ -314,6 +315,8 @@ class DecoderLoop {
 
   // paged_attention's int8_decode: the other sequences over an int8 cache score in int8, in place
   void set_int8_decode(bool on) { int8_decode_ = on; }
+  // paged_attention's spread_prefetch: the block ahead requested a few lines per step of the loops
+  void set_spread_prefetch(bool on) { spread_prefetch_ = on; }
 
   // paged_attention's lane_tokens: tiles of this many new tokens over a narrower cache, query rows in the lanes
   void set_lane_tokens(int64_t n) { lane_tokens_ = n; }
@@ -361,6 +364,7 @@ class DecoderLoop {
   bool bf16_pv_ = false;
   bool int8_tiles_ = false;
   bool int8_decode_ = false;
+  bool spread_prefetch_ = true;
   int64_t lane_tokens_ = 0;
   mutable std::array<double, kNumParts> totals_{};
   mutable int64_t profiled_calls_ = 0;
@@ -401,6 +405,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x W^T for grouped int8 W (scale and min per group) with x quantized to int8 per 32 values");
   m.def("set_q8_gemm_wide_rows", &set_q8_gemm_wide_rows, arg("rows"),
         "rows of x from which the int8-activation GEMMs take their AVX-512 16-row tiles (0: never)");
+  m.def("set_q8_gemm_x_panel", &set_q8_gemm_x_panel, arg("bytes"),
+        "bytes of int8 x per panel of the 8-row tiles, which every block of a task passes over in turn (0: off)");
   m.def("q8_gemm_has_wide_tiles", &q8_gemm_has_wide_tiles, "whether this build has the AVX-512 16-row tiles");
   m.def("q8_gemm_has_vnni", &q8_gemm_has_vnni, "whether the int8-activation GEMM tiles multiply-add with VNNI");
   m.def("int4_pack_rows8", &int4_pack_rows8, nogil, "int4 codes, scales, mins -> the layout of int4_linear_q8_gemm");
@@ -412,6 +418,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("query_start"), arg("context_lens"), arg("scale"), arg("q_tile") = 8, arg("max_group") = 8,
         arg("window") = 0, arg("softcap") = 0.0, arg("wide_rows") = 0, arg("int8_rows") = 0,
         arg("int8_bf16_pv") = false, arg("int8_tiles") = false, arg("int8_decode") = false, arg("lane_tokens") = 0,
+        arg("spread_prefetch") = true,
         "Paged attention over a block pool (CPU)");
   m.def("attention_int8_decode_has_tiles", &attention_int8_decode_has_tiles,
         "whether this build scores decode rows over an int8 cache in integers (AVX-512 VNNI or AVX2 + FMA; "
@@ -463,6 +470,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the int8-scored sequences on AMX tiles (paged_attention's int8_tiles)")
       .def("set_int8_decode", &DecoderLoop::set_int8_decode,
            "the other sequences over an int8 cache score in int8, in place (paged_attention's int8_decode)")
+      .def("set_spread_prefetch", &DecoderLoop::set_spread_prefetch,
+           "the block ahead requested a few lines per step of the loops (paged_attention's spread_prefetch)")
       .def("set_lane_tokens", &DecoderLoop::set_lane_tokens,
            "tiles of this many new tokens over a narrower cache take the query rows in the lanes (paged_attention's "
            "lane_tokens; 0: off)")

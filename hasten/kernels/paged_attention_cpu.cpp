@@ -48,6 +48,7 @@
 #include "attention_int8_scores.h"
 #include "attention_math.h"
 #include "attention_lane_tiles.h"
+#include "attention_prefetch.h"
 
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2
@@ -56,20 +57,8 @@
 namespace {
 using namespace hasten_attention;
 
-// Ask for the next cache block while this one is being computed on (its rows are scattered in
-// memory, so the hardware prefetcher cannot guess them).
+// Blocks ahead whose lines a walk requests while it computes (attention_prefetch.h).
 constexpr int64_t kPrefetchAhead = PREFETCH_AHEAD;
-
-template <typename scalar_t>
-inline void prefetch_block(const scalar_t* kp, const scalar_t* vp, int64_t base, int64_t bs, int64_t row, int64_t width) {
-  constexpr int64_t line = 64 / sizeof(scalar_t);
-  for (int64_t j = 0; j < bs; ++j) {
-    for (int64_t i = 0; i < width; i += line) {
-      __builtin_prefetch(kp + base + j * row + i, 0, 2);
-      __builtin_prefetch(vp + base + j * row + i, 0, 2);
-    }
-  }
-}
 
 // One work item: a tile of query tokens of one sequence for a range of kv heads, or a *group* of
 // decode sequences (one new token each) whose block tables start with the same `shared` blocks:
@@ -100,6 +89,7 @@ struct Shape {
   float softcap;   // > 0: scores soft-capped (both: the general path, attend_item<..., true>)
   bool int8_decode = false;  // int8 cache, plain causal path: scores in integers (attention_int8_decode.h)
   int64_t lane_tokens = 0;   // > 0: plain causal tiles of this many tokens or more take attention_lane_tiles.h
+  bool spread_prefetch = true;  // walks request the block ahead a few lines per step (attention_prefetch.h)
 };
 
 // One sequence's part of an item: query tokens [q_begin, q_end), whose rows start at scratch row `row0`.
@@ -162,6 +152,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     const int64_t first_key = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]) + sg.q_begin - sh.window + 1;
     return std::max<int64_t>(0, first_key) / BS;
   };
+  LineQueue lines;  // a block further on, requested while this one is computed on (see walk)
   // Block b of one segment: every token of it attends over the keys it may see in the block.
   auto attend = [&](const Segment& sg, int64_t b) {
     const int64_t first_pos = ctx_lens[sg.seq] - (qstart[sg.seq + 1] - qstart[sg.seq]);
@@ -179,7 +170,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
             const int64_t r = sg.row0 + t * token_rows + h * G;
             update_rows<false>(sc.q.data() + r * D, G, krows + h * hs, vrows + h * hs, stride, visible, D,
                                sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D,
-                               0.0f);
+                               0.0f, &lines);
           }
         } else {
           // keys [skip, visible) of the block are the ones this token may see (window, causal limit)
@@ -193,7 +184,7 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
             const int64_t r = sg.row0 + t * token_rows + h * G;
             update_rows<kCap>(sc.q.data() + r * D, G, krows + off + h * hs, vrows + off + h * hs, stride, n, D,
                               sc.scores.data() + r * BS, BS, sc.m.data() + r, sc.l.data() + r, sc.acc.data() + r * D,
-                              sh.softcap);
+                              sh.softcap, &lines);
           }
         }
       }
@@ -218,15 +209,22 @@ void attend_item(const Item& it, const int64_t* members, const scalar_t* qp, con
     }
     attend_block(sc.k.data(), sc.v.data(), nh * D, D);
   };
-  // Walk blocks [b0, nblocks) of `sg` (prefetching ahead: scattered rows defeat the hardware
-  // prefetcher), calling `body(b)` on each.
+  // Walk blocks [b0, nblocks) of `sg`, calling `body(b)` on each while requesting the block
+  // kPrefetchAhead on: spread over the block's computation (`lines`) where the item covers every kv
+  // head (one contiguous run per block), else in one burst (attention_prefetch.h).
+  const bool spread = sh.spread_prefetch && nh == sh.KVH;
   auto walk = [&](const Segment& sg, int64_t b0, int64_t nblocks, auto&& body) {
     for (int64_t a = 1; a < kPrefetchAhead && b0 + a < nblocks; ++a)
       prefetch_block(kp, vp, block_base(sg, b0 + a), BS, cache_row, nh * P);
     for (int64_t b = b0; b < nblocks; ++b) {
-      if (b + kPrefetchAhead < nblocks) prefetch_block(kp, vp, block_base(sg, b + kPrefetchAhead), BS, cache_row, nh * P);
+      if (b + kPrefetchAhead < nblocks) {
+        const int64_t ahead = block_base(sg, b + kPrefetchAhead);
+        if (spread) lines.start(kp + ahead, vp + ahead, BS * cache_row * static_cast<int64_t>(sizeof(cache_t)));
+        else prefetch_block(kp, vp, ahead, BS, cache_row, nh * P);
+      }
       body(b);
     }
+    lines.finish();
   };
   bool walked = false;
 #if defined(HASTEN_LANE_TILES)
@@ -355,12 +353,13 @@ template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& qstart, const at::Tensor& ctx_lens, double scale, int64_t q_tile, int64_t max_group,
          int64_t window, double softcap, const std::vector<char>& wide, int64_t int8_rows, bool bf16_pv,
-         bool int8_tiles, bool int8_decode, int64_t lane_tokens, at::Tensor& out) {
+         bool int8_tiles, bool int8_decode, int64_t lane_tokens, bool spread_prefetch, at::Tensor& out) {
   const int64_t S = ctx_lens.size(0);
   const int64_t* cl = ctx_lens.data_ptr<int64_t>();
   if (window > 0 && S > 0 && window >= *std::max_element(cl, cl + S)) window = 0;  // all see back to key 0
   Shape sh{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
            static_cast<float>(scale), window, static_cast<float>(softcap)};
+  sh.spread_prefetch = spread_prefetch;
 #if defined(HASTEN_INT8_DECODE)
   sh.int8_decode = std::is_same_v<cache_t, int8_t> && int8_decode && int8_decode_take(sh.D);
 #endif
@@ -533,7 +532,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& context_lens, double scale, int64_t q_tile,
                            int64_t max_group, int64_t window, double softcap, int64_t wide_rows,
                            int64_t int8_rows, bool int8_bf16_pv, bool int8_tiles, bool int8_decode,
-                           int64_t lane_tokens) {
+                           int64_t lane_tokens, bool spread_prefetch) {
 #if !defined(HASTEN_BF16_PV)
   int8_bf16_pv = false;  // this build has no bfloat16 dot products: float32 P V
 #endif
@@ -580,18 +579,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     any_wide = any_wide || wide[s];
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    if (k_cache.scalar_type() == q.scalar_type())
-      run<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
-    else if (k_cache.scalar_type() == at::kHalf)
-      run<scalar_t, at::Half>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
-    else if (int8_cache)
-      run<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
-    else
-      run<scalar_t, at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile, max_group,
-                                  window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode, lane_tokens, out);
+    auto over = [&](auto cache) {
+      run<scalar_t, decltype(cache)>(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, q_tile,
+                                     max_group, window, softcap, wide, int8_rows, int8_bf16_pv, int8_tiles, int8_decode,
+                                     lane_tokens, spread_prefetch, out);
+    };
+    if (k_cache.scalar_type() == q.scalar_type()) over(scalar_t{});
+    else if (k_cache.scalar_type() == at::kHalf) over(at::Half{});
+    else if (int8_cache) over(int8_t{});
+    else over(at::BFloat16{});
   });
   for (int64_t s = 0; s < S && any_wide; ++s)
     if (wide[s]) attend_wide(q, k_cache, v_cache, block_tables, s, qs[s], qs[s + 1] - qs[s], cl[s], scale, out);

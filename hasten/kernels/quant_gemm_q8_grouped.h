@@ -227,6 +227,6 @@ at::Tensor int8g_linear_q8_gemm(const at::Tensor& x, const at::Tensor& packed, c
     return y;
   }
 #endif
-  over_blocks8(N8, M, narrow);
+  over_blocks8(N8, M, K, narrow);
   return y;
 }

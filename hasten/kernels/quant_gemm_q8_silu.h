@@ -32,7 +32,7 @@ inline void int4_silu_tiles(int64_t M, int64_t I, int64_t K, int64_t G, int64_t 
                             const float* xdp, const float* xsp, const uint8_t* wp, const float* sp, const float* mp,
                             float* yp) {
   const int64_t C = K / kChunk, I8 = I / 8, bytes = (K / 8) * 32;
-  over_blocks8(I8, M, [&](auto rows, int64_t nb, int64_t m) {
+  over_blocks8(I8, M, K, [&](auto rows, int64_t nb, int64_t m) {
     constexpr int R = decltype(rows)::value;
     alignas(32) float gate[R * 8];
     alignas(32) float up[R * 8];

@@ -48,6 +48,16 @@ def set_q8_gemm_wide_rows(rows: int) -> None:
         mod.set_q8_gemm_wide_rows(int(rows))
 
 
+def set_q8_gemm_x_panel(nbytes: int) -> None:
+    """The int8-activation GEMMs' 8-row tiles take x in panels of about `nbytes` bytes of int8 rows (0: off,
+    all rows at once): every block of a task passes over one panel, held in L1, before the next panel, so
+    each block comes from L2 once per panel instead of all of x streaming past each block. Process-wide;
+    the results do not change (EngineConfig.quant_q8_gemm_x_panel)."""
+    mod = _ext.module or load()
+    if mod is not None:
+        mod.set_q8_gemm_x_panel(int(nbytes))
+
+
 def q8_gemm_has_wide_tiles() -> bool:
     """Whether this build of the kernels has the AVX-512 16-row tiles (set_q8_gemm_wide_rows)."""
     mod = _ext.module or load()

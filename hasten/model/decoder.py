@@ -38,7 +38,8 @@ class PrefillAttention:
     (decodes), over an int8 cache, score q rounded to int8 against the key codes read in place
     (attention_int8_decode; paged_attention's int8_decode). lane_tokens: from that many new tokens per tile,
     over an int8 / float16 / bfloat16 cache, the query rows in the vector lanes (attention_lane_tiles;
-    paged_attention's lane_tokens)."""
+    paged_attention's lane_tokens). spread_prefetch: every walk over cache blocks requests the block ahead a
+    few lines per step of its loops (attention_spread_prefetch; paged_attention's spread_prefetch)."""
 
     bf16_rows: int = 0
     int8_rows: int = 0
@@ -46,6 +47,7 @@ class PrefillAttention:
     amx: bool = False
     int8_decode: bool = False
     lane_tokens: int = 0
+    spread_prefetch: bool = True
 
 ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -133,6 +135,7 @@ class Decoder:
             self.loop.set_int8_tiles(paths.amx)
             self.loop.set_int8_decode(paths.int8_decode)
             self.loop.set_lane_tokens(paths.lane_tokens)
+            self.loop.set_spread_prefetch(paths.spread_prefetch)
 
     def apply_cpu_switches(self, config: Any) -> None:
         """An EngineConfig's switches of the CPU paths: prefill attention (prefill_attention), fast_silu,
@@ -195,7 +198,8 @@ class Decoder:
                                wide_rows=self.prefill_attention.bf16_rows, int8_rows=self.prefill_attention.int8_rows,
                                int8_bf16_pv=self.prefill_attention.bf16_pv, int8_tiles=self.prefill_attention.amx,
                                int8_decode=self.prefill_attention.int8_decode,
-                               lane_tokens=self.prefill_attention.lane_tokens)
+                               lane_tokens=self.prefill_attention.lane_tokens,
+                               spread_prefetch=self.prefill_attention.spread_prefetch)
 
     def _rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                         caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -371,6 +375,7 @@ def prefill_attention(model: Decoder, config: Any) -> PrefillAttention:
         amx=resolve_amx_attention(config.attention_amx, bf16_pv),
         int8_decode=resolve_int8_decode(config.attention_int8_decode, config.kv_cache_dtype == "int8"),
         lane_tokens=resolve_lane_tiles(config.attention_lane_tiles, config.attention_lane_tiles_min_tokens),
+        spread_prefetch=bool(config.attention_spread_prefetch),
     )
 
 

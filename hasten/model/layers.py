@@ -160,6 +160,7 @@ def paged_attention(
     int8_tiles: bool = False,
     int8_decode: bool = False,
     lane_tokens: int = 0,
+    spread_prefetch: bool = True,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached keys/values.
 
@@ -171,7 +172,8 @@ def paged_attention(
     int8_rows > 0 (C++ kernel, int8 cache): those score in int8 (cpu_attention.paged_attention), and with
     int8_bf16_pv take P V in bfloat16; int8_tiles: both on AMX tiles; int8_decode (C++ kernel, int8 cache):
     the other sequences (decodes, shorter chunks) score in int8 over the key codes read in place; lane_tokens
-    (C++ kernel, a narrower cache): tiles of that many new tokens or more with the query rows in the lanes.
+    (C++ kernel, a narrower cache): tiles of that many new tokens or more with the query rows in the lanes;
+    spread_prefetch (C++ kernel): the block ahead requested a few lines per step rather than in one burst.
     """
     if meta.block_tables is not None and meta.kernel == "triton":
         from hasten.kernels.triton import attention as triton_attention
@@ -184,7 +186,8 @@ def paged_attention(
                                              meta.context_lens, scale, max_group=max_group, window=window,
                                              softcap=softcap, wide_rows=wide_rows, int8_rows=int8_rows,
                                              int8_bf16_pv=int8_bf16_pv, int8_tiles=int8_tiles,
-                                             int8_decode=int8_decode, lane_tokens=lane_tokens)
+                                             int8_decode=int8_decode, lane_tokens=lane_tokens,
+                                             spread_prefetch=spread_prefetch)
     t_total, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     out = q.new_empty(t_total, num_heads * head_dim)

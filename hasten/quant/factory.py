@@ -253,13 +253,17 @@ class QuantizingFactory:
 
 def engine_linear_factory(config, model_folder: Path, dtype: torch.dtype) -> LinearFactory:
     """How the engine stores each projection: `config.quantization`'s layers, else the float backend's.
-    Applies the process-wide kernel switch quant_q8_gemm_wide_rows too."""
+    Applies the process-wide kernel switches quant_q8_gemm_wide_rows and quant_q8_gemm_x_panel too."""
     wide_rows = int(getattr(config, "quant_q8_gemm_wide_rows", 8))
     if wide_rows < 0:
         raise ValueError(f"quant_q8_gemm_wide_rows must be >= 0 (0: off), not {wide_rows}")
-    from hasten.kernels.quant_linear import set_q8_gemm_wide_rows
+    x_panel = int(getattr(config, "quant_q8_gemm_x_panel", 16384))
+    if x_panel < 0:
+        raise ValueError(f"quant_q8_gemm_x_panel must be >= 0 (0: off), not {x_panel}")
+    from hasten.kernels.quant_linear import set_q8_gemm_wide_rows, set_q8_gemm_x_panel
 
     set_q8_gemm_wide_rows(wide_rows)
+    set_q8_gemm_x_panel(x_panel)
     if not config.quantization:
         from hasten.model.linear import float_linear_factory
 

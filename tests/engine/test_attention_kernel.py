@@ -237,3 +237,36 @@ def test_wide_rows_attend_in_bfloat16(case, cache_dtype):
     for kw in ({"softcap": 30.0}, {"window": 5}):
         assert torch.equal(cpu_attention.paged_attention(q, k_cache, v_cache, *meta, scale, wide_rows=8, **kw),
                            cpu_attention.paged_attention(q, k_cache, v_cache, *meta, scale, **kw)), kw
+
+
+SPREAD_CASES = CASES + [
+    # enough sequences that every work item covers all kv heads: the walks spread their line requests
+    ([40, 300, 17, 129, 250, 64, 33, 90, 200, 16, 1, 160], [1] * 12, 9, 3, 64, 16),
+    ([260, 96, 300, 48, 75, 130, 222, 31, 64], [1, 2, 1, 1, 5, 1, 1, 1, 3], 8, 2, 32, 8),
+]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("case", SPREAD_CASES, ids=[f"case{i}" for i in range(len(SPREAD_CASES))])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_spread_prefetch_changes_no_bit(case, cache_dtype, threads):
+    """spread_prefetch (attention_prefetch.h) only changes when cache lines are requested: plain causal,
+    sliding-window and soft-capped calls give the same bits with the block ahead requested in one burst."""
+    ctx, new, heads, kv_heads, head_dim, block_size = case
+    if cache_dtype == torch.int8 and head_dim % 8:
+        pytest.skip("int8 cache rows need head_dim % 8 == 0 here")
+    gen = torch.Generator().manual_seed(hash((tuple(ctx), heads, head_dim, str(cache_dtype))) % 2**31)
+    q, k_cache, v_cache, *meta = make_inputs(gen, ctx, new, heads, kv_heads, head_dim, block_size, torch.float32)
+    if cache_dtype == torch.int8:
+        k_cache = (k_cache.clamp(-3, 3) * 40).to(torch.int8)
+        v_cache = (v_cache.clamp(-3, 3) * 40).to(torch.int8)
+        rows = torch.full((*k_cache.shape[:3], 4), 0, dtype=torch.int8)
+        scale_bytes = torch.tensor([0.02], dtype=torch.float32).view(torch.int8)
+        rows[...] = scale_bytes
+        k_cache, v_cache = torch.cat([k_cache, rows], -1), torch.cat([v_cache, rows], -1)
+    else:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    for extra in ({}, {"window": 24}, {"softcap": 5.0}):
+        on, off = (attention_on_threads(threads, q, k_cache, v_cache, *meta, head_dim**-0.5, spread_prefetch=flag,
+                                        **extra) for flag in (True, False))
+        assert torch.equal(on, off), extra

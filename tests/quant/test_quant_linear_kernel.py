@@ -304,3 +304,45 @@ def test_int8_layer_kernels_agree():
     assert make_layer(odd, int8_kernel="hasten-q8").kernel == "hasten"
     with pytest.raises(ValueError):
         resolve_int8_kernel("fast")
+
+
+@pytest.mark.parametrize("m", [3, 29, 64, 131, 300])
+@pytest.mark.parametrize("n,k", [(48, 576), (32, 1536), (16, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_x_panels_change_no_bit(m, n, k, threads):
+    """quant_q8_gemm_x_panel: the 8-row tiles' blocks pass over x in panels of rows (several panels and a
+    ragged last one here, 1 KB forcing many) with the same bits as all rows at once, for the int4, int4
+    SiLU, int8 and grouped int8 GEMMs."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    codes, scales, mins = random_weight(gen, n, k, 32)
+    int4_rows8 = int4_linear.int4_pack_rows8(pack_nibbles(codes), scales, mins, 32)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    int8_rows8 = int4_linear.int8_pack_rows8(q, torch.rand(n, generator=gen) * 0.02 + 0.001)
+    int8g_rows8 = int4_linear.int8g_pack_rows8(q, torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001,
+                                               torch.randn(n, k // 32, generator=gen) * 0.1, 32)
+    x = torch.randn(m, k, generator=gen) * 3
+    calls = {
+        "int4": lambda: int4_linear.int4_linear_q8_gemm(x, *int4_rows8, 32, n),
+        "int4 silu": lambda: int4_linear.int4_linear_q8_gemm_silu(x, *int4_rows8, 32, n),
+        "int8": lambda: int4_linear.int8_linear_q8_gemm(x, *int8_rows8, n),
+        "int8g": lambda: int4_linear.int8g_linear_q8_gemm(x, *int8g_rows8, 32, n),
+    }
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    int4_linear.set_q8_gemm_wide_rows(0)  # the 8-row tiles (a build with the AVX-512 16-row tiles too)
+    try:
+        for name, call in calls.items():
+            got = {}
+            for panel in (0, 1024, 16384):
+                int4_linear.set_q8_gemm_x_panel(panel)
+                got[panel] = call()
+            assert torch.equal(got[0], got[1024]) and torch.equal(got[0], got[16384]), name
+    finally:
+        int4_linear.set_q8_gemm_x_panel(16384)
+        int4_linear.set_q8_gemm_wide_rows(8)
+        torch.set_num_threads(before)
+
+
+def test_x_panel_switch_is_checked():
+    with pytest.raises(RuntimeError):
+        int4_linear.set_q8_gemm_x_panel(-1)
