@@ -3,10 +3,13 @@
   - which layers block influence removes, and the training budget spent healing (time, tokens, peak RSS);
   - held-out ShareGPT perplexity of the original, of the pruned model before and after healing, and the
     student's greedy next-token agreement with the original (hasten's own decoder, hasten.quant.evaluate);
+    the same on text of another kind that healing never reads (Python's own reference text, pydoc_data):
+    what `--ce-weight` (cross-entropy on the ShareGPT text) gains there is not ShareGPT's style alone;
   - batch-1 decode tokens/s of the student vs the original, both served by hasten with the same settings
     (float32 weights; and int8, the quantized setting that stays exact per layer), interleaved.
 
-usage: python benchmarks/distill.py [--layers 8] [--steps 400] [--max-minutes 20] [--precision auto] [--out DIR] [--reuse]
+usage: python benchmarks/distill.py [--layers 8] [--steps 400] [--lr 1e-4] [--ce-weight 0] [--max-minutes 20]
+                                   [--precision auto] [--out DIR] [--reuse]
        python benchmarks/distill.py --step-cost [--rounds 6]   (seconds per healing step, float32 vs the defaults)
 """
 
@@ -73,15 +76,25 @@ def step_costs(layers: int, rounds: int, seq_len: int = 256, batch_size: int = 2
         print(f"  {name:<30} {med:.2f} s per step (rounds {', '.join(f'{t:.2f}' for t in ts)})  {base / med:.2f}x")
 
 
-def quality(student: str, original: str, seq_len: int, max_tokens: int) -> dict:
+def reference_text_chunks(tokenizer, seq_len: int, max_tokens: int) -> list[list[int]]:
+    """`max_tokens` of Python's reference text (pydoc_data.topics, in key order) in `seq_len` pieces."""
+    from pydoc_data.topics import topics
+
+    ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))[:max_tokens]
+    return [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+
+
+def quality(student: str, original: str, seq_len: int, max_tokens: int) -> dict[str, dict]:
+    """The student against the original on held-out ShareGPT text and on Python's reference text."""
     from hasten import LLM
     from hasten.quant.data import evaluation_chunks
     from hasten.quant.evaluate import evaluate
 
     common = dict(num_kv_blocks=-(-(seq_len + 1) // 16) + 1, max_model_len=max(seq_len + 1, 128))
     s, o = LLM(student, **common), LLM(original, **common)
-    seqs = evaluation_chunks(s.tokenizer, seq_len, max_tokens)
-    return evaluate(s.engine.model, seqs, o.engine.model).as_dict()
+    texts = {"sharegpt": evaluation_chunks(s.tokenizer, seq_len, max_tokens),
+             "python reference": reference_text_chunks(s.tokenizer, seq_len, max_tokens)}
+    return {name: evaluate(s.engine.model, seqs, o.engine.model).as_dict() for name, seqs in texts.items()}
 
 
 def main() -> None:
@@ -90,6 +103,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--ce-weight", type=float, default=0.0, help="hasten distill prune --ce-weight")
     ap.add_argument("--max-minutes", type=float, default=20.0)
     ap.add_argument("--calib-tokens", type=int, default=524288)
     ap.add_argument("--precision", default="auto", help="hasten distill prune --precision (auto | float32 | bfloat16)")
@@ -113,7 +127,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "hasten.cli", "distill", "prune", original, "--layers", str(args.layers),
                "--out", str(out), "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr",
                str(args.lr), "--max-minutes", str(args.max_minutes), "--calib-tokens", str(args.calib_tokens),
-               "--eval-every", "50", "--precision", args.precision] + ([] if args.resume else ["--restart"])
+               "--eval-every", "50", "--precision", args.precision, "--ce-weight", str(args.ce_weight)] + ([] if args.resume else ["--restart"])
         t = time.time()
         rc = subprocess.run(cmd).returncode
         print(f"distill exit status {rc} after {time.time() - t:.0f} s")
@@ -138,8 +152,10 @@ def main() -> None:
     print(f"held-out perplexity (transformers, distill.json): original {ppl['original']:.3f}, "
           f"pruned {ppl['pruned']:.3f} ({100 * (ppl['pruned'] / ppl['original'] - 1):+.1f} %), "
           f"healed {ppl['healed']:.3f} ({100 * (ppl['healed'] / ppl['original'] - 1):+.1f} %)")
-    print(f"held-out (hasten decoder): student {q['perplexity']:.3f} vs original {q['reference_perplexity']:.3f} "
-          f"({100 * q['increase']:+.1f} %), greedy next-token agreement {100 * q['top1_agreement']:.1f} %")
+    print(f"(--lr {args.lr}, --ce-weight {report.get('ce_weight', 0.0)})")
+    for name, r in q.items():
+        print(f"{name} (hasten decoder): student {r['perplexity']:.3f} vs original {r['reference_perplexity']:.3f} "
+              f"({100 * r['increase']:+.1f} %), greedy next-token agreement {100 * r['top1_agreement']:.1f} %")
     print("batch-1 decode tok/s (median of rounds):")
     for kind in ("fp32", "int8"):
         o, s = med[f"original {kind}"], med[f"student {kind}"]

@@ -160,10 +160,16 @@ class EngineConfig:
             check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             check_positive_int(name, getattr(self, name), optional=True)
-        for name, high in (("kv_cache_memory_gb", float("inf")), ("gpu_memory_utilization", 1.0)):
+        for name, high in (("kv_cache_memory_gb", float("inf")), ("gpu_memory_utilization", 1.0),
+                           ("distributed_timeout_s", float("inf"))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
                 raise ValueError(f"{name} must be a number in (0, {high:g}], not {value!r}")
+        # counts and row thresholds (checked here whatever the model and CPU, not only where they apply)
+        for name, low, high in _INT_RANGES:
+            check_int_range(name, getattr(self, name), low, high)
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"ngram_max ({self.ngram_max}) must not be below ngram_min ({self.ngram_min})")
 
     def clone(self, **changes) -> EngineConfig:
         from dataclasses import replace
@@ -177,6 +183,24 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**switches_as_bools(options))
+
+
+_INT_RANGES: tuple[tuple[str, int, int | None], ...] = (  # (option, lowest, highest or None)
+    ("num_speculative_tokens", 1, None), ("ngram_min", 1, None), ("ngram_max", 1, None),
+    ("cuda_graph_max_batch", 1, None), ("tensor_parallel_size", 1, None), ("pipeline_parallel_size", 1, None),
+    ("quant_group_size", 1, None), ("quant_kernel_max_rows", 0, None), ("quant_q8_gemm_wide_rows", 0, None),
+    ("quant_q8_gemm_x_panel", 0, None), ("quant_bf16_gemm_min_rows", 1, None), ("quant_u8_gemm_min_rows", 1, None),
+    ("quant_u8_gemm_x_runs", 1, 8), ("attention_prefix_group", 0, None), ("attention_bf16_min_rows", 1, None),
+    ("attention_int8_scores_min_rows", 2, None), ("attention_lane_tiles_min_tokens", 1, None),
+    ("seed", -(2**63), 2**64 - 1),
+)
+
+
+def check_int_range(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """ValueError naming `name` unless value is an int (not a bool) in [low, high] (high None: no bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}, not {value!r}")
 
 
 def check_positive_int(name: str, value: Any, optional: bool = False) -> None:

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--ce-weight", type=float, default=0.0,
+                   help="share of the loss that is cross-entropy on the calibration text's next tokens "
+                        "(the rest: KL from the original); 0: pure distillation")
     p.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="forward passes while healing: bfloat16 autocast (float32 weights and optimizer) or float32; "
                         "auto: bfloat16 where the CPU has its dot product (AVX512-BF16 / AMX)")
@@ -106,7 +109,8 @@ def prune_main(args: argparse.Namespace) -> int:
     try:
         config = DistillConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, eval_every=args.eval_every,
                                checkpoint_every=args.eval_every, seed=args.seed, max_minutes=args.max_minutes,
-                               precision=args.precision, train_embeddings=args.train_embeddings)
+                               precision=args.precision, train_embeddings=args.train_embeddings,
+                               ce_weight=args.ce_weight)
     except ValueError as exc:
         raise fail(str(exc)) from None
     t0 = time.time()
@@ -152,7 +156,7 @@ def prune_main(args: argparse.Namespace) -> int:
         "heldout_perplexity": {"original": teacher_ppl, "pruned": pruned_ppl, "healed": healed_ppl},
         "heldout_kl": [h for h in state.history if "heldout_kl" in h], "seed": args.seed,
         "precision": "bfloat16" if distiller.dtype is not None else "float32",
-        "train_embeddings": config.train_embeddings,
+        "train_embeddings": config.train_embeddings, "ce_weight": config.ce_weight,
         "seconds": round(time.time() - t0, 1),
     }
     out.mkdir(parents=True, exist_ok=True)

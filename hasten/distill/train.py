@@ -1,4 +1,5 @@
-"""Distillation: a student trained on its teacher's next-token distributions (KL on the logits).
+"""Distillation: a student trained on its teacher's next-token distributions (KL on the logits),
+optionally mixed with cross-entropy on the text's own next tokens (`ce_weight`).
 
 The loop is plain PyTorch on transformers models. Every step takes the next `batch_size` training
 sequences in a fixed, seeded order, runs the frozen teacher and the student on them, and minimises
@@ -47,12 +48,17 @@ class DistillConfig:
     # weights, optimizer state and softmax) | auto (bfloat16 where the CPU has its dot product, else float32)
     precision: str = "float32"
     train_embeddings: bool = True  # False: the token embedding and lm_head (often one tied matrix) stay fixed
+    # share of the loss taken by cross-entropy on the text's own next tokens (Hinton et al.'s hard labels):
+    # loss = (1 - ce_weight) * KL(teacher || student) + ce_weight * CE(text); 0 is pure distillation
+    ce_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
             raise ValueError("steps >= 0, batch_size, eval_every and checkpoint_every >= 1")
         if not (self.lr > 0 and self.temperature > 0):
             raise ValueError("lr and temperature must be positive")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise ValueError(f"ce_weight is a share of the loss: 0 <= ce_weight <= 1, not {self.ce_weight}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
 
@@ -278,6 +284,9 @@ class Distiller(TrainLoop):
                     target = self.teacher(x, use_cache=False).logits
                 logits = self.student(x, use_cache=False).logits
             loss = kl_per_token(logits, target, c.temperature)
+            if c.ce_weight > 0 and len(ids) > 1:
+                ce = F.cross_entropy(logits[0, :-1].float(), x[0, 1:])
+                loss = (1.0 - c.ce_weight) * loss + c.ce_weight * ce
             (loss * (len(ids) / total_tokens)).backward()
             loss_sum += loss.item() * len(ids)
         torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm)  # fixed ones have no grad

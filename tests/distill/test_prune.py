@@ -121,6 +121,41 @@ def test_healing_lowers_the_heldout_kl(tiny, precision, train_embeddings):
     assert d.student.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # float32 master weights
 
 
+def test_ce_weight_mixes_kl_and_cross_entropy_on_the_text(tiny):
+    d = _distiller(tiny, 1, ce_weight=0.3)
+    batch = _seqs(2, 32, 9)
+    x = torch.tensor(batch)
+    with torch.no_grad():
+        s, t = d.student(x, use_cache=False).logits, d.teacher(x, use_cache=False).logits
+    kl = sum(kl_per_token(s[i], t[i]).item() for i in range(2)) / 2
+    ce = sum(torch.nn.functional.cross_entropy(s[i, :-1], x[i, 1:]).item() for i in range(2)) / 2
+    assert d._step(batch) == pytest.approx(0.7 * kl + 0.3 * ce, rel=1e-5)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="ce_weight"):
+            DistillConfig(ce_weight=bad)
+
+
+def _counting(n: int, length: int, seed: int) -> list[list[int]]:
+    """Token i + 1 follows token i: text a random teacher knows nothing of."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(int(a) + j) % 370 + 3 for j in range(length)] for a in torch.randint(0, 370, (n,), generator=g)]
+
+
+def test_hard_labels_teach_the_text_where_pure_distillation_follows_the_teacher(tiny):
+    def heldout_ce(weight: float) -> float:
+        teacher, student = _load(tiny), remove_layers(_load(tiny), [2])
+        config = DistillConfig(steps=40, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=40, seed=3,
+                               ce_weight=weight)
+        Distiller(student, teacher, _counting(24, 32, 1), _counting(4, 32, 2), config).run()
+        x = torch.tensor(_counting(4, 32, 5))
+        with torch.no_grad():
+            logits = student(x, use_cache=False).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item()
+
+    taught, distilled = heldout_ce(1.0), heldout_ce(0.0)
+    assert taught < 0.5 * distilled, (taught, distilled)
+
+
 def test_distill_config_refuses_an_unknown_precision():
     with pytest.raises(ValueError, match="precision must be one of"):
         DistillConfig(precision="float8")

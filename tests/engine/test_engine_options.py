@@ -79,6 +79,19 @@ def test_engine_refuses_budgets_that_would_hang(tiny_models):
     ("kv_cache_memory_gb", 0, r"kv_cache_memory_gb must be a number in \(0, inf\], not 0"),
     ("gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be a number in \(0, 1\], not 1.5"),
     ("gpu_memory_utilization", True, r"gpu_memory_utilization must be a number in \(0, 1\], not True"),
+    ("distributed_timeout_s", -1.0, r"distributed_timeout_s must be a number in \(0, inf\], not -1.0"),
+    # these were taken silently (no speculation, a negative threshold acting as 0) or failed later in torch
+    ("num_speculative_tokens", 0, "num_speculative_tokens must be an integer >= 1, not 0"),
+    ("ngram_min", 0, "ngram_min must be an integer >= 1, not 0"),
+    ("quant_kernel_max_rows", -5, "quant_kernel_max_rows must be an integer >= 0, not -5"),
+    ("quant_q8_gemm_x_panel", -1, "quant_q8_gemm_x_panel must be an integer >= 0, not -1"),
+    ("quant_u8_gemm_x_runs", 0, "quant_u8_gemm_x_runs must be an integer between 1 and 8, not 0"),
+    ("quant_u8_gemm_min_rows", -3, "quant_u8_gemm_min_rows must be an integer >= 1, not -3"),
+    ("attention_prefix_group", "x", "attention_prefix_group must be an integer >= 0, not 'x'"),
+    ("cuda_graph_max_batch", 2.5, "cuda_graph_max_batch must be an integer >= 1, not 2.5"),
+    ("tensor_parallel_size", 0, "tensor_parallel_size must be an integer >= 1, not 0"),
+    ("seed", "a", "seed must be an integer between"),
+    ("seed", True, "seed must be an integer between"),
 ])
 def test_sizes_out_of_range_are_refused_before_a_model_loads(option, value, message):
     """block_size 0 failed with a ZeroDivisionError, a negative max_model_len or num_threads with a tensor
@@ -91,3 +104,12 @@ def test_sizes_in_range_pass():
     config = EngineConfig.from_options(block_size=3, max_model_len=10, num_kv_blocks=1, num_threads=1,
                                        kv_cache_memory_gb=0.25, gpu_memory_utilization=1.0, max_waiting_requests=1)
     assert (config.block_size, config.max_model_len, config.gpu_memory_utilization) == (3, 10, 1.0)
+    config = EngineConfig.from_options(num_speculative_tokens=1, ngram_min=3, ngram_max=3, quant_kernel_max_rows=0,
+                                       quant_q8_gemm_x_panel=0, quant_u8_gemm_x_runs=8, attention_prefix_group=0,
+                                       seed=-7)
+    assert (config.ngram_max, config.quant_u8_gemm_x_runs, config.seed) == (3, 8, -7)
+
+
+def test_ngram_max_below_ngram_min_is_refused():
+    with pytest.raises(ValueError, match=r"ngram_max \(2\) must not be below ngram_min \(5\)"):
+        EngineConfig.from_options(ngram_min=5, ngram_max=2)
