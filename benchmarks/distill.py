@@ -152,7 +152,7 @@ def main() -> None:
     print(f"held-out perplexity (transformers, distill.json): original {ppl['original']:.3f}, "
           f"pruned {ppl['pruned']:.3f} ({100 * (ppl['pruned'] / ppl['original'] - 1):+.1f} %), "
           f"healed {ppl['healed']:.3f} ({100 * (ppl['healed'] / ppl['original'] - 1):+.1f} %)")
-    print(f"(--lr {args.lr}, --ce-weight {report.get('ce_weight', 0.0)})")
+    print(f"(--lr {report.get('lr', '?')}, --ce-weight {report.get('ce_weight', 0.0)})")
     for name, r in q.items():
         print(f"{name} (hasten decoder): student {r['perplexity']:.3f} vs original {r['reference_perplexity']:.3f} "
               f"({100 * r['increase']:+.1f} %), greedy next-token agreement {100 * r['top1_agreement']:.1f} %")

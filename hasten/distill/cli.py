@@ -156,7 +156,7 @@ def prune_main(args: argparse.Namespace) -> int:
         "heldout_perplexity": {"original": teacher_ppl, "pruned": pruned_ppl, "healed": healed_ppl},
         "heldout_kl": [h for h in state.history if "heldout_kl" in h], "seed": args.seed,
         "precision": "bfloat16" if distiller.dtype is not None else "float32",
-        "train_embeddings": config.train_embeddings, "ce_weight": config.ce_weight,
+        "train_embeddings": config.train_embeddings, "ce_weight": config.ce_weight, "lr": config.lr,
         "seconds": round(time.time() - t0, 1),
     }
     out.mkdir(parents=True, exist_ok=True)
