@@ -116,5 +116,5 @@ def test_fast_silu_only_where_the_down_projection_rounds(tiny_models, tmp_path, 
 
 def test_wide_tile_rows_option_is_checked(tiny_models):
     """quant_q8_gemm_wide_rows is refused below 0 with the option's name, before any layer is built."""
-    with pytest.raises(ValueError, match="quant_q8_gemm_wide_rows must be >= 0"):
+    with pytest.raises(ValueError, match="quant_q8_gemm_wide_rows must be an integer >= 0"):
         LLM(tiny_models("llama"), quant_q8_gemm_wide_rows=-1, num_kv_blocks=64)

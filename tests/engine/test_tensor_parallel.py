@@ -115,7 +115,7 @@ def test_a_dying_rank_fails_the_engine_fast_with_a_clear_error(tiny_models, layo
 
 @pytest.mark.parametrize("options,message", [
     (dict(tensor_parallel_size=3), "must divide the 4 attention heads"),
-    (dict(tensor_parallel_size=0), "positive integer"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
     (dict(tensor_parallel_size=2, quantization="gguf"), "not 'gguf'"),
     (dict(tensor_parallel_size=2, quantization="int4", quant_method="awq"), "rtn"),
 ])
