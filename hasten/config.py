@@ -152,6 +152,11 @@ class EngineConfig:
     # default GGUF; benchmarks/gc_pause.py). Applies to processes hasten owns (the engine process of
     # `hasten serve`, its server process), never to a process that embeds the LLM class
     gc_freeze: bool = True
+    # CPU engines: once loaded, the weights (and the kernels' copies of them) and the KV pool are rebuilt in
+    # 2 MB pages (MADV_COLLAPSE; the pool asks for them before it is zeroed), so that a step's streams
+    # of weights and scattered cache blocks need a few hundred TLB entries instead of ~100k (Linux 6.1+;
+    # elsewhere, or where the kernel refuses, the memory stays in 4 KB pages). Never changes results
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         """Sizes and counts out of range are refused here, before a model loads, with the option's name

@@ -132,7 +132,8 @@ class LLMEngine:
                                             self.device, self.max_model_len, "capture" if graphs else "off",
                                             config.cuda_graph_max_batch, config.max_num_seqs)
         else:
-            self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend)
+            self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend,
+                                      huge_pages=config.huge_pages and self.device.type == "cpu")
         if self.device_path:
             from hasten.runtime.sampler import DeviceSampler
 
@@ -151,6 +152,12 @@ class LLMEngine:
         capture = getattr(self.runner, "capture_graphs", None)
         if capture is not None:
             capture()  # CUDA graphs are captured before the server reports ready
+        self.huge_pages_report = None
+        if config.huge_pages and self.device.type == "cpu" and self.parallel is None:
+            from hasten.runtime.huge_pages import collapse, tensors_under
+
+            self.huge_pages_report = collapse(tensors_under(self.model, self.runner))
+            logger.info("huge pages: %s", self.huge_pages_report.describe())
         self.load_time = time.time() - t0
         logger.info("loaded %s (%s on %s, %s attention) in %.2fs: %d KV blocks of %d tokens = %d tokens",
                     self.model_name, self.dtype, self.device, self.attention_backend, self.load_time, num_blocks, bs,

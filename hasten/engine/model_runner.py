@@ -49,6 +49,17 @@ class PreparedStep:
         return StepResult(self.sample_requests, logits, self.num_rows, prompt_logits)
 
 
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, huge_pages: bool) -> torch.Tensor:
+    """One zeroed cache pool; with huge_pages (CPU) its memory asked for in 2 MB pages before it is written."""
+    if not huge_pages or torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    from hasten.runtime.huge_pages import advise
+
+    pool = torch.empty(shape, dtype=dtype)
+    advise(pool)
+    return pool.zero_()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -59,10 +70,12 @@ class ModelRunner:
         dtype: torch.dtype,
         attention_backend: str = "sdpa",
         device: torch.device | str = "cpu",
+        huge_pages: bool = False,
     ):
         """dtype: the KV cache's (the model's, or a narrower float16 / bfloat16).
         attention_backend: "cpp" (kernel reading the block pool in place), "triton" (the same flat
-        layout, read by the Triton kernels) or "sdpa" (padded gather). device: where the pool lives."""
+        layout, read by the Triton kernels) or "sdpa" (padded gather). device: where the pool lives.
+        huge_pages: a CPU pool asks for 2 MB pages before its first write (EngineConfig.huge_pages)."""
         if attention_backend not in ("cpp", "sdpa", "triton"):
             raise ValueError(f"unknown attention backend {attention_backend!r}")
         self.attention_backend = attention_backend
@@ -72,7 +85,7 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = block_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, kv_row_width(cfg.head_dim, dtype))
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(_pool(shape, dtype, device, huge_pages), _pool(shape, dtype, device, huge_pages))
                           for _ in range(cfg.num_layers)]
 
     @staticmethod
