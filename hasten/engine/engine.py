@@ -153,7 +153,7 @@ class LLMEngine:
         if capture is not None:
             capture()  # CUDA graphs are captured before the server reports ready
         self.huge_pages_report = None
-        if config.huge_pages and self.device.type == "cpu" and self.parallel is None:
+        if config.huge_pages and self.device.type == "cpu":  # rank 0's shard (the other ranks do theirs)
             from hasten.runtime.huge_pages import collapse, tensors_under
 
             self.huge_pages_report = collapse(tensors_under(self.model, self.runner))
