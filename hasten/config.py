@@ -35,6 +35,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    # while prompts wait or are part-way through prefill, a decoding request whose last token came less
+    # than this many ms ago sits a step out, leaving the step's rows to prefill (decode rows cost ~4 prefill
+    # rows each on the CPU: attention over their whole context, lm_head, sampling); 0 = never
+    decode_defer_ms: float = 0.0
     max_waiting_requests: int = 4096  # beyond this new requests are refused (HTTP 429)
     # speculative decoding
     # None | "ngram" | "draft:<model path>" | "eagle:<head folder>" (hasten distill draft) | "ngram+eagle:<head folder>"

@@ -63,7 +63,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens, decode_defer_ms=config.decode_defer_ms,
             enable_chunked_prefill=config.enable_chunked_prefill)
         from transformers import AutoTokenizer
 

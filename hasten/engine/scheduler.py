@@ -24,6 +24,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
+    decode_defer_ms: float = 0.0  # see EngineConfig.decode_defer_ms; 0 = decodes never sit a step out
 
     def __post_init__(self) -> None:
         """Limits under which no request could ever be scheduled are refused (they would wait forever)."""
@@ -31,6 +32,9 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling policy {self.policy!r} (fcfs or priority)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, getattr(self, name))
+        d = self.decode_defer_ms
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
+            raise ValueError(f"decode_defer_ms must be a number >= 0, not {d!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with enable_chunked_prefill off a prompt must fit one step: max_num_batched_tokens "
@@ -122,16 +126,35 @@ class Scheduler:
             return 0  # a whole prompt must fit in one step
         return min(n, budget)
 
+    def _deferred_decodes(self, running: list[Request]) -> set[Request]:
+        """decode_defer_ms: while prompts wait or are part-way through prefill, the decoding requests
+        (one token to compute, no drafts) whose last token came less than decode_defer_ms ago; none when
+        that would leave the step without work."""
+        if not self.config.decode_defer_ms:
+            return set()
+        if not (self.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in running)):
+            return set()
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.spec_token_ids]
+        since = time.time() - self.config.decode_defer_ms / 1000
+        return {r for r in decoding if r.metrics.last_token_time is not None and r.metrics.last_token_time > since}
+
     def schedule(self) -> ScheduledBatch:
+        order = sorted(self.running, key=Request.sort_key) if self.config.policy == "priority" else list(self.running)
+        deferred = self._deferred_decodes(order)
+        batch = self._schedule(order, deferred)
+        if not batch and not batch.preempted and deferred:
+            batch = self._schedule(order, set())  # nothing could be admitted: the decodes run after all
+        return batch
+
+    def _schedule(self, order: list[Request], deferred: set[Request]) -> ScheduledBatch:
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_num_batched_tokens
 
-        # 1. Running requests first, in arrival (or priority) order.
-        order = sorted(self.running, key=Request.sort_key) if cfg.policy == "priority" else list(self.running)
+        # 1. Running requests first, in arrival (or priority) order (`order`), but for `deferred`.
         for req in order:
-            if req not in self.running:
-                continue  # preempted earlier in this loop
+            if req not in self.running or req in deferred:
+                continue  # preempted earlier in this loop, or sitting this step out
             self.kv.free_outside_window(req)
             n = self._tokens_wanted(req, budget)
             if n <= 0:
