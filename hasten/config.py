@@ -159,8 +159,14 @@ class EngineConfig:
     # CPU engines: once loaded, the weights (and the kernels' copies of them) and the KV pool are rebuilt in
     # 2 MB pages (MADV_COLLAPSE; the pool asks for them before it is zeroed), so that a step's streams
     # of weights and scattered cache blocks need a few hundred TLB entries instead of ~100k (Linux 6.1+;
-    # elsewhere, or where the kernel refuses, the memory stays in 4 KB pages). Never changes results
-    huge_pages: bool = True
+    # elsewhere, or where the kernel refuses, the memory stays in 4 KB pages). Never changes results.
+    # auto = on for quantized weights (measured faster there), off for float models (their oneDNN-packed
+    # weights stay out of reach, and batch-1 decode measured 2-10 % slower) | on | off (or true / false)
+    huge_pages: str = "auto"
+
+    def wants_huge_pages(self) -> bool:
+        """huge_pages resolved: on, or auto with quantized weights."""
+        return self.huge_pages == "on" or (self.huge_pages == "auto" and self.quantization is not None)
 
     def __post_init__(self) -> None:
         """Sizes and counts out of range are refused here, before a model loads, with the option's name
@@ -177,6 +183,7 @@ class EngineConfig:
         # counts and row thresholds (checked here whatever the model and CPU, not only where they apply)
         for name, low, high in _INT_RANGES:
             check_int_range(name, getattr(self, name), low, high)
+        self.huge_pages = _auto_switch("huge_pages", self.huge_pages)
         if self.ngram_max < self.ngram_min:
             raise ValueError(f"ngram_max ({self.ngram_max}) must not be below ngram_min ({self.ngram_min})")
 
@@ -233,6 +240,16 @@ def as_switch(name: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in _SWITCH_WORDS:
         return _SWITCH_WORDS[value.strip().lower()]
     raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
+def _auto_switch(name: str, value: Any) -> str:
+    """'auto', 'on' or 'off' from 'auto' or any spelling as_switch takes; TypeError otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if as_switch(name, value) else "off"
+    except TypeError:
+        raise TypeError(f"{name} must be auto, on or off, not {value!r}") from None
 
 
 def switches_as_bools(options: dict[str, Any]) -> dict[str, Any]:

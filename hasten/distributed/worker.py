@@ -95,8 +95,8 @@ def worker_main(rank: int, world: int, init_method: str, timeout_s: float, tp_si
         cfg = ModelConfig.from_hf(load_hf_config(Path(spec.folder)))
         model = build_rank_model(spec, cfg, rank, group)
         runner = ModelRunner(model, model.cfg, spec.num_blocks, spec.config.block_size, spec.kv_dtype,
-                             spec.attention_backend, huge_pages=spec.config.huge_pages)
-        if spec.config.huge_pages:
+                             spec.attention_backend, huge_pages=spec.config.wants_huge_pages())
+        if spec.config.wants_huge_pages():
             from hasten.runtime.huge_pages import collapse, tensors_under
 
             logger.info("huge pages: %s", collapse(tensors_under(model, runner)).describe())

@@ -133,7 +133,7 @@ class LLMEngine:
                                             config.cuda_graph_max_batch, config.max_num_seqs)
         else:
             self.runner = ModelRunner(self.model, cfg, num_blocks, bs, self.kv_dtype, self.attention_backend,
-                                      huge_pages=config.huge_pages and self.device.type == "cpu")
+                                      huge_pages=config.wants_huge_pages() and self.device.type == "cpu")
         if self.device_path:
             from hasten.runtime.sampler import DeviceSampler
 
@@ -153,7 +153,7 @@ class LLMEngine:
         if capture is not None:
             capture()  # CUDA graphs are captured before the server reports ready
         self.huge_pages_report = None
-        if config.huge_pages and self.device.type == "cpu":  # rank 0's shard (the other ranks do theirs)
+        if config.wants_huge_pages() and self.device.type == "cpu":  # rank 0's shard (the other ranks do theirs)
             from hasten.runtime.huge_pages import collapse, tensors_under
 
             self.huge_pages_report = collapse(tensors_under(self.model, self.runner))

@@ -111,7 +111,7 @@ def test_engine_with_huge_pages_gives_the_same_tokens(tiny_models):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for on in (True, False):
-        llm = LLM(path, num_kv_blocks=4096, max_model_len=512, huge_pages=on)
+        llm = LLM(path, num_kv_blocks=4096, max_model_len=512, huge_pages="on" if on else "off")
         report = llm.engine.huge_pages_report
         if on:
             assert report is not None and report.storages >= 4
@@ -121,3 +121,26 @@ def test_engine_with_huge_pages_gives_the_same_tokens(tiny_models):
             assert report is None
         outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_the_option_resolves_auto_by_quantization_and_takes_switch_spellings():
+    import pytest
+
+    from hasten.config import EngineConfig
+
+    assert not EngineConfig(model="m").wants_huge_pages()  # float weights: auto is off
+    assert EngineConfig(model="m", quantization="gguf").wants_huge_pages()
+    assert EngineConfig(model="m", huge_pages="on").wants_huge_pages()
+    assert not EngineConfig(model="m", quantization="int8", huge_pages="off").wants_huge_pages()
+    for raw, want in (("AUTO", "auto"), (True, "on"), ("false", "off"), ("yes", "on"), (0, "off")):
+        assert EngineConfig(model="m", huge_pages=raw).huge_pages == want
+    for bad in ("maybe", 2, None, ""):
+        with pytest.raises(TypeError, match="huge_pages must be auto, on or off"):
+            EngineConfig(model="m", huge_pages=bad)
+
+
+def test_auto_leaves_a_float_engine_alone(tiny_models):
+    from hasten import LLM
+
+    llm = LLM(tiny_models("llama"), num_kv_blocks=4096, max_model_len=512)
+    assert llm.engine.huge_pages_report is None
