@@ -97,9 +97,9 @@ def worker_main(rank: int, world: int, init_method: str, timeout_s: float, tp_si
         runner = ModelRunner(model, model.cfg, spec.num_blocks, spec.config.block_size, spec.kv_dtype,
                              spec.attention_backend, huge_pages=spec.config.wants_huge_pages())
         if spec.config.wants_huge_pages():
-            from hasten.runtime.huge_pages import collapse, tensors_under
+            from hasten.runtime.huge_pages import collapse_engine_memory
 
-            logger.info("huge pages: %s", collapse(tensors_under(model, runner)).describe())
+            collapse_engine_memory(model, runner)
         stage = None
         if spec.pp > 1:
             from hasten.distributed.pipeline import PipelineStage

@@ -154,10 +154,9 @@ class LLMEngine:
             capture()  # CUDA graphs are captured before the server reports ready
         self.huge_pages_report = None
         if config.wants_huge_pages() and self.device.type == "cpu":  # rank 0's shard (the other ranks do theirs)
-            from hasten.runtime.huge_pages import collapse, tensors_under
+            from hasten.runtime.huge_pages import collapse_engine_memory
 
-            self.huge_pages_report = collapse(tensors_under(self.model, self.runner))
-            logger.info("huge pages: %s", self.huge_pages_report.describe())
+            self.huge_pages_report = collapse_engine_memory(self.model, self.runner)
         self.load_time = time.time() - t0
         logger.info("loaded %s (%s on %s, %s attention) in %.2fs: %d KV blocks of %d tokens = %d tokens",
                     self.model_name, self.dtype, self.device, self.attention_backend, self.load_time, num_blocks, bs,

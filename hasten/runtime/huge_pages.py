@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
+import logging
 import os
 import sys
 import time
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14
@@ -52,7 +56,9 @@ class CollapseReport:
         return text + (f" ({self.error})" if self.error else "")
 
 
+@functools.cache
 def _madvise():
+    """libc's madvise (loaded once), or None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -124,15 +130,12 @@ def collapse(tensors: Iterable[torch.Tensor], madvise=None) -> CollapseReport:
     return report
 
 
-def thp_mode() -> str:
-    """The kernel's transparent-huge-page setting (always / madvise / never), or 'unknown'."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-    except OSError:
-        return "unknown"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else "unknown"
+def collapse_engine_memory(model: object, runner: object) -> CollapseReport:
+    """`collapse` over every tensor of a model and its runner (weights, kernel copies, KV pool), logged:
+    what an engine, or one rank of it, does once loaded (EngineConfig.huge_pages)."""
+    report = collapse(tensors_under(model, runner))
+    logger.info("huge pages: %s", report.describe())
+    return report
 
 
 def anon_huge_bytes() -> int:
