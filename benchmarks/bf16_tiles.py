@@ -5,11 +5,14 @@
 SmolLM2's four projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) over --layers
 layers of distinct weights (from memory, as in a prefill step), x float32 and y float32 as the layer
 loop has them, at 32, 128, 256 and 512 rows:
-  tiles    bf16_tiles_linear over bf16_tiles_pack's copy (quant_bf16_gemm_tiles, the default);
+  tiles    bf16_tiles_linear over bf16_tiles_pack's copy (quant_bf16_gemm_tiles, the default), with its
+           stream (quant_bf16_gemm_stream, the default: x in tile order, the next weight blocks requested ahead);
+  rowmajor the same kernel with stream=False (x row-major, nothing requested ahead; the same outputs);
   onednn   F.linear(x.bfloat16(), row-major bfloat16 weight).float() (quant_bf16_gemm_tiles=False:
            oneDNN reorders the weight for its AMX kernel on every call);
   packed   oneDNN's GEMM over a weight it packed once (torch.ops.mkldnn._linear_pointwise), for reference.
-Alternating, best of --rounds each; prints GMAC/s and the ratio tiles / onednn. Needs AMX-BF16.
+Alternating, best of --rounds each; prints GMAC/s and the ratios tiles / rowmajor and tiles / onednn.
+Needs AMX-BF16.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def calls(weights: list, tiles: list, packed: list, xs: dict) -> dict:
     pairs = list(zip(weights, tiles, packed, strict=True))
     return {
         "tiles": lambda: [quant_linear.bf16_tiles_linear(xs[k], t) for (_, k, _), t, _ in pairs],
+        "rowmajor": lambda: [quant_linear.bf16_tiles_linear(xs[k], t, stream=False) for (_, k, _), t, _ in pairs],
         "onednn": lambda: [F.linear(xs[k].to(torch.bfloat16), w).float() for (_, k, w), _, _ in pairs],
         "packed": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k].to(torch.bfloat16), p, None, "none", [], "").float()
                            for (_, k, _), _, p in pairs],
@@ -56,7 +60,8 @@ def main() -> None:
                for _ in range(args.layers) for n, k in SHAPES]
     tiles = [quant_linear.bf16_tiles_pack(w) for _, _, w in weights]
     print(f"{args.layers} layers x {len(SHAPES)} projections, {args.threads} threads, GMAC/s (best of {args.rounds})")
-    print(f"{'rows':>5} {'tiles':>8} {'onednn':>8} {'packed':>8} {'tiles/onednn':>13}")
+    print(f"{'rows':>5} {'tiles':>8} {'rowmajor':>9} {'onednn':>8} {'packed':>8} {'tiles/rowmajor':>15} "
+          f"{'tiles/onednn':>13}")
     for rows in (32, 128, 256, 512):
         xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         macs = rows * sum(n * k for n, k, _ in weights)
@@ -67,8 +72,8 @@ def main() -> None:
             for name, fn in runs.items():
                 best[name] = min(best[name], best_ms(fn, 1, 1))
         rate = {name: macs / ms / 1e6 for name, ms in best.items()}
-        print(f"{rows:>5} {rate['tiles']:>8.0f} {rate['onednn']:>8.0f} {rate['packed']:>8.0f} "
-              f"{rate['tiles'] / rate['onednn']:>12.2f}x")
+        print(f"{rows:>5} {rate['tiles']:>8.0f} {rate['rowmajor']:>9.0f} {rate['onednn']:>8.0f} {rate['packed']:>8.0f} "
+              f"{rate['tiles'] / rate['rowmajor']:>14.2f}x {rate['tiles'] / rate['onednn']:>12.2f}x")
 
 
 if __name__ == "__main__":

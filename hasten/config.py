@@ -79,6 +79,10 @@ class EngineConfig:
     # those calls on hasten's AMX tile kernel over a copy kept in tile order (bf16_tiles_linear) where the
     # build, CPU and shape allow; False: oneDNN's GEMM over a row-major copy (reordered on every call)
     quant_bf16_gemm_tiles: bool = True
+    # that kernel's x copied in tile order (each tile one contiguous 1 KB run, not 16 lines K * 2 bytes apart)
+    # and each thread's next weight blocks requested into L2 a few lines per k step while the current ones
+    # run (bf16_tiles_linear's stream: the same outputs); False: x row-major, nothing requested ahead
+    quant_bf16_gemm_stream: bool = True
     # the C++ layer loop's gate_up calls on that kernel apply SiLU-multiply to their own output tiles
     # (bf16_tiles_linear_silu: the same values, without writing and re-reading [rows, 2 x intermediate])
     quant_bf16_gemm_silu: bool = True

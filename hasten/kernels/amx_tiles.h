@@ -37,5 +37,22 @@ inline bool amx_ready(unsigned units) {
   return (present & units) == units && units != 0;
 }
 
+// LDTILECFG with all 8 tiles 16 rows of 64 bytes (palette 1), the layout every kernel here uses. The
+// block lives in static storage: GCC models the instruction's read of it too narrowly, and a block on
+// the stack had its column stores dropped when the slot was reused right after the load (the load
+// then faults on rows without columns).
+inline void configure_16x64_tiles() {
+  static const TileConfig cfg = [] {
+    TileConfig c{};
+    c.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+
 }  // namespace hasten_amx
 #endif

@@ -47,15 +47,7 @@ inline bool amx_attention_ready() {
   return hasten_amx::amx_ready(hasten_amx::kAmxInt8 | hasten_amx::kAmxBf16);
 }
 
-inline void configure_attention_tiles() {
-  hasten_amx::TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kAmxRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+inline void configure_attention_tiles() { hasten_amx::configure_16x64_tiles(); }  // kAmxRows x 64 bytes
 
 // `rows` <= 16 query rows (codes q + 128 at qcodes, D bytes per row, 16 rows readable; scales sq;
 // newest visible key positions last) over the units up to the newest any of them sees (`unit_base` +

@@ -42,8 +42,8 @@ at::Tensor u8_linear_q8_gemm_silu(const at::Tensor& x, const at::Tensor& packed,
 bool u8_gemm_has_tiles();
 // gemm_bf16_amx_cpu.cpp: the wide bfloat16 GEMM on AMX tiles over a tile-ordered copy of a weight
 at::Tensor bf16_tiles_pack(const at::Tensor& weight);
-at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed, bool stream);
+at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed, bool stream);
 bool bf16_tiles_available();
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;

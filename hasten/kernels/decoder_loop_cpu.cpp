@@ -37,6 +37,7 @@ struct Linear {
   // it only to tell the loop which rows it takes in bfloat16 (the callable does the multiply)
   std::optional<at::Tensor> bf16_weight;
   int64_t bf16_min_rows = 0;
+  bool bf16_stream = true;  // bf16_tiles_linear's stream (quant_bf16_gemm_stream)
   // QuantLinear.enable_u8_gemm: from u8_min_rows rows of x on, u8_linear_q8_gemm over this 8-bit copy
   // of the weight (u8_pack_rows16's packed, step, offset; out_features rows)
   std::optional<std::vector<at::Tensor>> u8_weight;
@@ -73,7 +74,7 @@ struct Linear {
     if (inv_input_scale) x = x * inv_input_scale->to(x.scalar_type());
     at::Tensor y;
     if (takes_bf16(x.size(0))) {
-      y = bf16_weight->dim() == 5 ? bf16_tiles_linear(x.contiguous(), *bf16_weight)
+      y = bf16_weight->dim() == 5 ? bf16_tiles_linear(x.contiguous(), *bf16_weight, bf16_stream)
                                   : at::linear(x.to(at::kBFloat16), *bf16_weight).to(x.scalar_type());
       if (bias) y += bias->to(y.scalar_type());
       return y;
@@ -121,7 +122,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
                    std::optional<at::Tensor> bias, std::optional<at::Tensor> inv_input_scale, py::object callable,
                    int64_t gemm_min_rows, int64_t out_features, std::optional<at::Tensor> bf16_weight,
                    int64_t bf16_min_rows, bool rounds_input, std::optional<std::vector<at::Tensor>> u8_weight,
-                   int64_t u8_min_rows, int64_t u8_x_runs, bool u8_pow2_x_scales) {
+                   int64_t u8_min_rows, int64_t u8_x_runs, bool u8_pow2_x_scales, bool bf16_stream) {
   Linear l;
   static const std::vector<std::pair<std::string, LinearKind>> kinds = {
       {"dense", LinearKind::kDense}, {"tiled", LinearKind::kTiled}, {"int4", LinearKind::kInt4},
@@ -160,6 +161,7 @@ Linear make_linear(const std::string& kind, std::vector<at::Tensor> tensors, int
               "bf16_weight: a 2-D bfloat16 tensor or bf16_tiles_pack's 5-D one, with bf16_min_rows >= 1");
   l.bf16_weight = std::move(bf16_weight);
   l.bf16_min_rows = bf16_min_rows;
+  l.bf16_stream = bf16_stream;
   TORCH_CHECK(!u8_weight || (u8_weight->size() == 3 && u8_min_rows >= 1 && out_features > 0),
               "u8_weight: u8_pack_rows16's three tensors, with u8_min_rows >= 1 and out_features");
   l.u8_weight = std::move(u8_weight);
@@ -273,7 +275,7 @@ class DecoderLoop {
       at::Tensor act;
       const Linear& gu = lw.gate_up;
       if (gemm_silu_ && fast && gu.takes_bf16_tiles(x.size(0))) {
-        act = bf16_tiles_linear_silu(contiguous(x), *gu.bf16_weight);  // the same values, one pass
+        act = bf16_tiles_linear_silu(contiguous(x), *gu.bf16_weight, gu.bf16_stream);  // the same values, one pass
         timer.mark(kGateUp);
       } else if (u8_silu_ && fast && gu.takes_u8_alone(x.size(0)) && gu.out_features % 32 == 0) {
         const auto& u8 = *gu.u8_weight;  // the same values, one pass
@@ -389,9 +391,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("n"), arg("x_runs") = 1, arg("pow2_x_scales") = false,
         "silu_mul(u8_linear_q8_gemm(x, ...), fast=True) for packed [gate | up] (n = 2 I), from the output tiles");
   m.def("bf16_tiles_pack", &bf16_tiles_pack, nogil, "a weight [N, K] as bfloat16 in AMX tile order (bf16_tiles_linear's layout)");
-  m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil, arg("x"), arg("packed"),
-        "y = x W^T with x rounded to bfloat16, over bf16_tiles_pack's layout, on AMX tiles (float32 sums)");
-  m.def("bf16_tiles_linear_silu", &bf16_tiles_linear_silu, nogil, arg("x"), arg("packed"),
+  m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil, arg("x"), arg("packed"), arg("stream") = true,
+        "y = x W^T with x rounded to bfloat16, over bf16_tiles_pack's layout, on AMX tiles (float32 sums); stream: "
+        "x copied in tile order and the next weight blocks requested ahead (the same outputs)");
+  m.def("bf16_tiles_linear_silu", &bf16_tiles_linear_silu, nogil, arg("x"), arg("packed"), arg("stream") = true,
         "silu_mul(bf16_tiles_linear(x, packed), fast=True) for packed [gate | up], from the output tiles");
   m.def("bf16_tiles_available", &bf16_tiles_available, "whether this build and CPU run bf16_tiles_linear (AMX-BF16)");
   m.def("u8_gemm_has_tiles", &u8_gemm_has_tiles, "whether this build has the AVX-512 VNNI tiles of u8_linear_q8_gemm");
@@ -442,10 +445,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("inv_input_scale") = py::none(), arg("callable") = py::none(), arg("gemm_min_rows") = 2, arg("out_features") = 0,
         arg("bf16_weight") = py::none(), arg("bf16_min_rows") = 0, arg("rounds_input") = false,
         arg("u8_weight") = py::none(), arg("u8_min_rows") = 0, arg("u8_x_runs") = 1, arg("u8_pow2_x_scales") = false,
+        arg("bf16_stream") = true,
         "kind: dense [w] | tiled [w] | int4 / int4_q8 [codes, scales, mins] (+ group; int4_q8 may add int4_pack_rows8's "
         "three tensors for its int8 GEMM) | int8 [qweight, scales] | int8g [int8g_pack_rows8's three] (+ group, "
         "out_features) | python (callable); u8_weight: u8_pack_rows16's three tensors for calls of u8_min_rows "
-        "rows or more (+ out_features; u8_x_runs, u8_pow2_x_scales as u8_linear_q8_gemm's x_runs, pow2_x_scales)");
+        "rows or more (+ out_features; u8_x_runs, u8_pow2_x_scales as u8_linear_q8_gemm's x_runs, pow2_x_scales); "
+        "bf16_stream: bf16_tiles_linear's stream");
   py::class_<DecoderLoop>(m, "DecoderLoop", "the decoder's layer loop in C++ (see decoder_loop_cpu.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("eps"), arg("scale"), arg("embed"), arg("final_norm"),

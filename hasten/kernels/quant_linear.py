@@ -185,12 +185,14 @@ def bf16_tiles_pack(weight: torch.Tensor) -> torch.Tensor:
     return _module().bf16_tiles_pack(weight)
 
 
-def bf16_tiles_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """y [M, N] = bf16(x) W^T over bf16_tiles_pack's layout on AMX tiles, float32 sums (float32 x and y)."""
-    return _module().bf16_tiles_linear(x, packed)
+def bf16_tiles_linear(x: torch.Tensor, packed: torch.Tensor, stream: bool = True) -> torch.Tensor:
+    """y [M, N] = bf16(x) W^T over bf16_tiles_pack's layout on AMX tiles, float32 sums (float32 x and y).
+    stream (quant_bf16_gemm_stream): x's bfloat16 copy in tile order (one contiguous 1 KB run per tile)
+    and each thread's next weight blocks requested into L2 while the current ones run; the same outputs."""
+    return _module().bf16_tiles_linear(x, packed, stream)
 
 
-def bf16_tiles_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def bf16_tiles_linear_silu(x: torch.Tensor, packed: torch.Tensor, stream: bool = True) -> torch.Tensor:
     """silu(gate) * up of [gate | up] = bf16_tiles_linear(x, packed) (N = 2 I, I a multiple of 16), taken
     from the output tiles: bit-identical to silu_mul(bf16_tiles_linear(x, packed), fast=True), [M, I]."""
-    return _module().bf16_tiles_linear_silu(x, packed)
+    return _module().bf16_tiles_linear_silu(x, packed, stream)

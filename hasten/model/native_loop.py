@@ -28,7 +28,9 @@ def native_linear(mod: ModuleType, layer: Any) -> Any:
         return mod.make_linear("tiled", [layer.weight], bias=layer.bias)
     if type(layer) is DenseLinear and layer.weight.dtype == torch.float32:
         return mod.make_linear("dense", [layer.weight], bias=layer.bias)
-    wide = {"bf16_weight": layer.bf16_weight, "bf16_min_rows": layer.bf16_min_rows} if getattr(layer, "bf16_weight", None) is not None else {}
+    wide = ({"bf16_weight": layer.bf16_weight, "bf16_min_rows": layer.bf16_min_rows,
+             "bf16_stream": bool(getattr(layer, "bf16_stream", True))}
+            if getattr(layer, "bf16_weight", None) is not None else {})
     wide["rounds_input"] = bool(getattr(layer, "rounds_activations", False))
     if getattr(layer, "u8_weight", None) is not None:
         wide.update(u8_weight=list(layer.u8_weight), u8_min_rows=layer.u8_min_rows, u8_x_runs=layer.u8_x_runs,

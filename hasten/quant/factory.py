@@ -55,6 +55,7 @@ class QuantOptions:
     u8_gemm_x_runs: int = 1  # 32-runs of x per int8 scale in those calls (QuantLinear.enable_u8_gemm)
     u8_gemm_pow2_x_scales: bool = False  # those scales rounded up to powers of two (QuantLinear.enable_u8_gemm)
     bf16_gemm_tiles: bool = True  # the bfloat16 path on hasten's AMX tiles where it can (QuantLinear.enable_bf16_gemm)
+    bf16_gemm_stream: bool = True  # those tiles' x in tile order, next weight blocks requested ahead (bf16_tiles_linear)
     q8_gemm_one_row: str = "off"  # auto | on | off: one-row calls of hasten-q8 int4 layers through the int8 GEMM too
     dtype: str = "float32"  # the engine dtype the float weights arrive in (part of the cache key)
     calib_tokens: int = 4096
@@ -95,6 +96,7 @@ class QuantOptions:
             u8_gemm_x_runs=int(getattr(config, "quant_u8_gemm_x_runs", 1)),
             u8_gemm_pow2_x_scales=bool(getattr(config, "quant_u8_gemm_pow2_x_scales", False)),
             bf16_gemm_tiles=bool(getattr(config, "quant_bf16_gemm_tiles", True)),
+            bf16_gemm_stream=bool(getattr(config, "quant_bf16_gemm_stream", True)),
             q8_gemm_one_row=str(getattr(config, "quant_q8_gemm_one_row", "off")),
             dtype=dtype,
         )
@@ -102,7 +104,7 @@ class QuantOptions:
     def wide_options(self) -> dict:
         """make_layer's keyword arguments for the wide-call paths (bfloat16 and 8-bit)."""
         return {"bf16_gemm": self.bf16_gemm, "bf16_gemm_min_rows": self.bf16_gemm_min_rows,
-                "bf16_gemm_tiles": self.bf16_gemm_tiles, "u8_gemm": self.u8_gemm, "u8_gemm_min_rows": self.u8_gemm_min_rows,
+                "bf16_gemm_tiles": self.bf16_gemm_tiles, "bf16_gemm_stream": self.bf16_gemm_stream, "u8_gemm": self.u8_gemm, "u8_gemm_min_rows": self.u8_gemm_min_rows,
                 "u8_gemm_x_runs": self.u8_gemm_x_runs, "u8_gemm_pow2_x_scales": self.u8_gemm_pow2_x_scales,
                 "q8_gemm_one_row": self.q8_gemm_one_row}
 
@@ -110,7 +112,7 @@ class QuantOptions:
         """What determines the quantized values (the cache key): not the cache dir nor the kernel switch."""
         d = asdict(self)
         for k in ("cache_dir", "max_kernel_rows", "int4_kernel", "int8_kernel", "q8_gemm", "bf16_gemm", "bf16_gemm_min_rows",
-                  "bf16_gemm_tiles", "u8_gemm", "u8_gemm_min_rows", "u8_gemm_x_runs", "u8_gemm_pow2_x_scales",
+                  "bf16_gemm_tiles", "bf16_gemm_stream", "u8_gemm", "u8_gemm_min_rows", "u8_gemm_x_runs", "u8_gemm_pow2_x_scales",
                   "q8_gemm_one_row"):
             d.pop(k)
         if self.mode == "int8":

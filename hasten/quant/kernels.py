@@ -119,19 +119,20 @@ class QuantLinear:
         # the bfloat16 copy of the weight for wide calls (enable_bf16_gemm); None: off
         self.bf16_weight: torch.Tensor | None = None
         self.bf16_min_rows = 0
+        self.bf16_stream = True  # bf16_tiles_linear's stream (enable_bf16_gemm)
         # the 8-bit copy of the weight for wide calls (enable_u8_gemm: u8_pack_rows16's tensors); None: off
         self.u8_weight: list[torch.Tensor] | None = None
         self.u8_min_rows = 0
         self.u8_x_runs = 1
         self.u8_pow2_x_scales = False
 
-    def enable_bf16_gemm(self, min_rows: int, tiles: bool = True) -> None:
+    def enable_bf16_gemm(self, min_rows: int, tiles: bool = True, stream: bool = True) -> None:
         """From `min_rows` rows of x on (prefill chunks, wide decode batches), multiply x in bfloat16
         by a bfloat16 copy of the dequantized weight instead of the packed kernel. tiles: where the
         build and CPU have AMX-BF16 and the shape fits, the copy is kept in tile order for hasten's
         tile kernel (bf16_tiles_linear, a 5-D bf16_weight); otherwise row-major for oneDNN's GEMM
-        (at::linear, which reorders it for AMX on every call). Costs 2 bytes per weight; the codes stay
-        for the narrow calls."""
+        (at::linear, which reorders it for AMX on every call). stream: the tile kernel's (bf16_tiles_linear;
+        the same outputs). Costs 2 bytes per weight; the codes stay for the narrow calls."""
         from hasten.kernels.quant_linear import bf16_tiles_available, bf16_tiles_fit, bf16_tiles_pack
 
         if min_rows < 1:
@@ -141,6 +142,7 @@ class QuantLinear:
             weight = bf16_tiles_pack(weight)
         self.bf16_weight = weight
         self.bf16_min_rows = min_rows
+        self.bf16_stream = stream
 
     def enable_u8_gemm(self, min_rows: int, x_runs: int = 1, pow2_x_scales: bool = False) -> None:
         """From `min_rows` rows of x on, x rounded to int8 per 32 values times an 8-bit-per-row copy of
@@ -172,7 +174,7 @@ class QuantLinear:
             if self.bf16_weight.dim() == 5:
                 from hasten.kernels.quant_linear import bf16_tiles_linear
 
-                y = bf16_tiles_linear(x.float().contiguous(), self.bf16_weight).to(x.dtype)
+                y = bf16_tiles_linear(x.float().contiguous(), self.bf16_weight, self.bf16_stream).to(x.dtype)
             else:
                 y = F.linear(x.to(torch.bfloat16), self.bf16_weight).to(x.dtype)
         elif self.takes_u8(x.shape[0]):
@@ -507,11 +509,12 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
                int8_auto: str = INT8_AUTO, bf16_gemm: str = "off", bf16_gemm_min_rows: int = 32,
                u8_gemm: str = "off", u8_gemm_min_rows: int = 16, u8_gemm_x_runs: int = 1,
                u8_gemm_pow2_x_scales: bool = False, bf16_gemm_tiles: bool = True,
-               q8_gemm_one_row: str = "off") -> QuantLinear:
+               q8_gemm_one_row: str = "off", bf16_gemm_stream: bool = True) -> QuantLinear:
     """The layer for `qw`. bf16_gemm (quant_bf16_gemm: auto | on | off) adds the bfloat16 path for calls
     of bf16_gemm_min_rows rows or more; auto does so where the CPU has AMX, for layers whose kernel
     rounds x anyway (int8 or bfloat16 activations), so exact float32-activation layers stay exact;
-    bf16_gemm_tiles: that path on hasten's AMX tile kernel where the build, CPU and shape allow it.
+    bf16_gemm_tiles: that path on hasten's AMX tile kernel where the build, CPU and shape allow it;
+    bf16_gemm_stream: that kernel's stream (bf16_tiles_linear).
     u8_gemm (quant_u8_gemm) adds the 8-bit copy for calls of u8_gemm_min_rows rows or more that the
     bfloat16 path does not take; auto does so where the build has its AVX-512 VNNI tiles, for 4-bit
     layers with int8 activations (an 8-bit row keeps a 4-bit block's values to within 1/510 of the
@@ -533,7 +536,7 @@ def make_layer(qw: QuantizedWeight | GroupedInt8Weight, max_kernel_rows: int = 3
             layer = Int4Linear(qw, max_kernel_rows)
     rows = cpu_features.resolve_bf16_rows("quant_bf16_gemm", bf16_gemm, bf16_gemm_min_rows, layer.rounds_activations)
     if rows:
-        layer.enable_bf16_gemm(rows, bf16_gemm_tiles)
+        layer.enable_bf16_gemm(rows, bf16_gemm_tiles, bf16_gemm_stream)
     auto_u8 = isinstance(layer, Int4HastenLinear) and layer.int8_activations
     rows = cpu_features.resolve_u8_rows(u8_gemm, u8_gemm_min_rows, auto_u8)
     if rows:

@@ -1,7 +1,9 @@
 """hasten's bfloat16 GEMM on AMX tiles (bf16_tiles_linear, quant_bf16_gemm_tiles): the tile-order
 layout, the kernel against a float64 reference on ragged shapes (within the float32 summation bound),
-the layers' choice between it and oneDNN's GEMM, and SiLU-multiply from its output tiles
-(bf16_tiles_linear_silu, quant_bf16_gemm_silu) against the two calls it replaces."""
+the layers' choice between it and oneDNN's GEMM, SiLU-multiply from its output tiles
+(bf16_tiles_linear_silu, quant_bf16_gemm_silu) against the two calls it replaces, and the kernels'
+stream (x in tile order, the next weight blocks requested ahead: quant_bf16_gemm_stream) against
+their row-major x, bit for bit."""
 
 from __future__ import annotations
 
@@ -76,6 +78,38 @@ def test_silu_from_the_tiles_is_the_two_calls_bit_for_bit(m, k, inter):
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="N = 2 I"):
         quant_linear.bf16_tiles_linear_silu(x, quant_linear.bf16_tiles_pack(torch.randn(48, k)))
+
+
+@needs_tiles
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (17, 80, 160), (33, 960, 576), (300, 176, 1536), (512, 576, 576)])
+def test_stream_is_the_row_major_path_bit_for_bit(m, n, k):
+    gen = torch.Generator().manual_seed(m + 7 * n + k)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, :3] = torch.tensor([float("inf"), -1e-40, 3e38])  # rounding at the edges of bfloat16's range
+    packed = quant_linear.bf16_tiles_pack(torch.randn(n, k, generator=gen) * 0.05)
+    streamed = quant_linear.bf16_tiles_linear(x, packed)  # the default
+    torch.testing.assert_close(streamed, quant_linear.bf16_tiles_linear(x, packed, stream=False), rtol=0, atol=0,
+                               equal_nan=True)
+    wide = torch.zeros(m, k + 32)  # x as a strided view: the same rows are read
+    wide[:, 16:16 + k] = x
+    torch.testing.assert_close(quant_linear.bf16_tiles_linear(wide[:, 16:16 + k], packed), streamed, rtol=0, atol=0,
+                               equal_nan=True)
+    if n % 32 == 0:
+        torch.testing.assert_close(quant_linear.bf16_tiles_linear_silu(x, packed),
+                                   quant_linear.bf16_tiles_linear_silu(x, packed, stream=False), rtol=0, atol=0,
+                                   equal_nan=True)
+
+
+@needs_kernels
+def test_layers_pass_the_stream_switch_on():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(64, 96, generator=gen) * 0.05
+    on = make_layer(quantize_int8(w), int8_kernel="hasten-q8", bf16_gemm="on", bf16_gemm_min_rows=4)
+    off = make_layer(quantize_int8(w), int8_kernel="hasten-q8", bf16_gemm="on", bf16_gemm_min_rows=4,
+                     bf16_gemm_stream=False)
+    assert on.bf16_stream and not off.bf16_stream
+    x = torch.randn(40, 96, generator=gen)
+    assert torch.equal(on(x), off(x))
 
 
 @needs_kernels
