@@ -81,7 +81,9 @@ class EngineConfig:
     quant_bf16_gemm_tiles: bool = True
     # that kernel's x copied in tile order (each tile one contiguous 1 KB run, not 16 lines K * 2 bytes apart)
     # and each thread's next weight blocks requested into L2 a few lines per k step while the current ones
-    # run (bf16_tiles_linear's stream: the same outputs); False: x row-major, nothing requested ahead
+    # run; in the C++ layer loop gate_up's SiLU-multiply output goes to down already rounded to bfloat16 in
+    # that order (bf16_tiles_linear's stream, bf16_tiles_linear_silu's tiles_out: the same outputs); False: x
+    # row-major and converted per call, nothing requested ahead
     quant_bf16_gemm_stream: bool = True
     # the C++ layer loop's gate_up calls on that kernel apply SiLU-multiply to their own output tiles
     # (bf16_tiles_linear_silu: the same values, without writing and re-reading [rows, 2 x intermediate])

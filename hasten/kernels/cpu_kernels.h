@@ -43,7 +43,7 @@ bool u8_gemm_has_tiles();
 // gemm_bf16_amx_cpu.cpp: the wide bfloat16 GEMM on AMX tiles over a tile-ordered copy of a weight
 at::Tensor bf16_tiles_pack(const at::Tensor& weight);
 at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed, bool stream);
-at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed, bool stream);
+at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed, bool stream, bool tiles_out);
 bool bf16_tiles_available();
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;

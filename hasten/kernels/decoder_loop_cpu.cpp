@@ -274,9 +274,14 @@ class DecoderLoop {
       const bool fast = lw.down.takes_bf16(x.size(0)) || (fast_silu_ && lw.down.rounds_input);
       at::Tensor act;
       const Linear& gu = lw.gate_up;
-      if (gemm_silu_ && fast && gu.takes_bf16_tiles(x.size(0))) {
-        act = bf16_tiles_linear_silu(contiguous(x), *gu.bf16_weight, gu.bf16_stream);  // the same values, one pass
-        timer.mark(kGateUp);
+      const int64_t rows = x.size(0);
+      bool handed = false;  // act is down's x, in tile order
+      if (gemm_silu_ && fast && gu.takes_bf16_tiles(rows)) {
+        // down on the same tiles, both with stream: gate_up hands it its x already rounded and in tile order
+        handed = gu.bf16_stream && lw.down.bf16_stream && lw.down.takes_bf16_tiles(rows) &&
+                 lw.down.bf16_weight->size(1) * 32 == gu.bf16_weight->size(0) * 8;
+        act = bf16_tiles_linear_silu(contiguous(x), *gu.bf16_weight, gu.bf16_stream, handed);  // the same values,
+        timer.mark(kGateUp);                                                                   // one pass
       } else if (u8_silu_ && fast && gu.takes_u8_alone(x.size(0)) && gu.out_features % 32 == 0) {
         const auto& u8 = *gu.u8_weight;  // the same values, one pass
         act = u8_linear_q8_gemm_silu(contiguous(x), u8[0], u8[1], u8[2], gu.out_features, gu.u8_x_runs,
@@ -291,7 +296,8 @@ class DecoderLoop {
         act = silu_mul(act, fast);
       }
       timer.mark(kSiluMul);
-      at::Tensor down = contiguous(lw.down(act));
+      at::Tensor down = handed ? bf16_tiles_linear(act, *lw.down.bf16_weight, true).narrow(0, 0, rows)
+                               : contiguous(lw.down(act));
       timer.mark(kDown);
       x = add_rms_norm(h, down, i + 1 < L ? layers_[i + 1].input_norm : final_norm_, eps_);
       timer.mark(kNorms);
@@ -395,6 +401,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x W^T with x rounded to bfloat16, over bf16_tiles_pack's layout, on AMX tiles (float32 sums); stream: "
         "x copied in tile order and the next weight blocks requested ahead (the same outputs)");
   m.def("bf16_tiles_linear_silu", &bf16_tiles_linear_silu, nogil, arg("x"), arg("packed"), arg("stream") = true,
+        arg("tiles_out") = false,
         "silu_mul(bf16_tiles_linear(x, packed), fast=True) for packed [gate | up], from the output tiles");
   m.def("bf16_tiles_available", &bf16_tiles_available, "whether this build and CPU run bf16_tiles_linear (AMX-BF16)");
   m.def("u8_gemm_has_tiles", &u8_gemm_has_tiles, "whether this build has the AVX-512 VNNI tiles of u8_linear_q8_gemm");

@@ -149,8 +149,16 @@ void check_packed(const at::Tensor& packed, const char* fn) {
 }
 
 // `fn`'s check of x (float32 [M, K]) and of the tiles, then x as the tiles read it: bfloat16 with M
-// rounded up to 32, the padding rows zero; [M, K] row-major, or with `stream` [M / 16, K / 32, 16, 32]
+// rounded up to 32, the padding rows zero; [M, K] row-major, or with `stream` [M / 16, K / 32, 16, 32].
+// An x already in that tile order (4-D bfloat16, M a multiple of 32) is taken as it is.
 at::Tensor tile_rows_of(const at::Tensor& x, int64_t k, bool stream, const char* fn) {
+  if (x.dim() == 4) {  // already in tile order (bf16_tiles_linear_silu's tiles_out)
+    TORCH_CHECK(stream && x.scalar_type() == at::kBFloat16 && x.size(0) % 2 == 0 && x.size(1) * kTileK == k &&
+                    x.size(2) == kTileRows && x.size(3) == kTileK && x.is_contiguous(),
+                fn, ": x in tile order is bfloat16 [M / 16, ", k / kTileK, ", 16, 32] with M a multiple of 32 (and stream), got ",
+                x.sizes(), " ", x.scalar_type());
+    return x;
+  }
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, fn, ": float32 x [M, ", k, "], got ",
               x.sizes(), " ", x.scalar_type());
 #if defined(HASTEN_AMX_BF16)
@@ -196,9 +204,9 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed, bool
   const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1);
   const int64_t n = n_blocks * kTileRows, k = k_tiles * kTileK;
   const at::Tensor xb = tile_rows_of(x, k, stream, "bf16_tiles_linear");
-  const int64_t m = x.size(0), m_pad = xb.size(0);
+  const int64_t m_pad = x.dim() == 4 ? x.size(0) * kTileRows : xb.size(0), m = x.dim() == 4 ? m_pad : x.size(0);
 #if defined(HASTEN_AMX_BF16)
-  at::Tensor y = at::empty({m_pad, n}, x.options());
+  at::Tensor y = at::empty({m_pad, n}, x.options().dtype(at::kFloat));
   const XTiles xt{reinterpret_cast<const char*>(xb.data_ptr<at::BFloat16>()), k_tiles, stream};
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
@@ -235,19 +243,28 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed, bool
 // 16-output blocks of gate with the matching blocks of up (I / 16 further on), runs 32 rows of x
 // against the two (tile_block, as bf16_tiles_linear does: the same sums) into a 32 x 32 buffer, and
 // writes silu_mul_fast16 of each row's 16 pairs. So the result is silu_mul(bf16_tiles_linear(x, W),
-// fast=true) bit for bit, without writing the [M, 2 I] output or reading it back.
-at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed, bool stream) {
+// fast=true) bit for bit, without writing the [M, 2 I] output or reading it back. tiles_out (with
+// stream, I a multiple of 32): the result rounded to bfloat16 straight into the tile order that
+// bf16_tiles_linear reads x in, [M_pad / 16, I / 32, 16, 32] with M_pad = M rounded up to 32 (rows past
+// M are zero), for a down projection on the same tiles: the values its own conversion would make.
+at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed, bool stream, bool tiles_out) {
   check_packed(packed, "bf16_tiles_linear_silu");
   const int64_t n_blocks = packed.size(0), k_tiles = packed.size(1), k = k_tiles * kTileK;
   TORCH_CHECK(n_blocks % 2 == 0, "bf16_tiles_linear_silu: N = 2 I with I a multiple of 16, got N = ",
               n_blocks * kTileRows);
   const at::Tensor xb = tile_rows_of(x, k, stream, "bf16_tiles_linear_silu");
-  const int64_t m = x.size(0), m_pad = xb.size(0), inter_blocks = n_blocks / 2, inter = inter_blocks * kTileRows;
+  const int64_t m_pad = x.dim() == 4 ? x.size(0) * kTileRows : xb.size(0), m = x.dim() == 4 ? m_pad : x.size(0);
+  const int64_t inter_blocks = n_blocks / 2, inter = inter_blocks * kTileRows;
+  TORCH_CHECK(!tiles_out || (stream && inter % kTileK == 0),
+              "bf16_tiles_linear_silu: tiles_out needs stream and I a multiple of 32, got I = ", inter);
 #if defined(HASTEN_AMX_BF16)
-  at::Tensor y = at::empty({m_pad, inter}, x.options());
+  at::Tensor y = tiles_out ? at::empty({m_pad / kTileRows, inter / kTileK, kTileRows, kTileK}, x.options().dtype(at::kBFloat16))
+                           : at::empty({m_pad, inter}, x.options().dtype(at::kFloat));
   const XTiles xt{reinterpret_cast<const char*>(xb.data_ptr<at::BFloat16>()), k_tiles, stream};
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
-  float* yp = y.data_ptr<float>();
+  float* yp = tiles_out ? nullptr : y.data_ptr<float>();
+  uint16_t* yt = tiles_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
+  const int64_t y_k_tiles = inter / kTileK;
   const int64_t block = k_tiles * kTileRows * kTileK;
   at::parallel_for(0, inter_blocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
@@ -261,6 +278,16 @@ at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed,
       for (int64_t r = 0; r < m_pad; r += 2 * kTileRows) {
         tile_block<2>(xt.rows(r), xt.second(r), xt.kstep(), xt.stride(), gate, up, k_tiles, sums[0], sizeof(sums[0]),
                       ahead ? &next : nullptr);
+        if (yt) {  // rows r .. r + 31 of k tile nb / 2 of down's x, half nb % 2 of each row's 32 values
+          for (int64_t i = 0; i < 2 * kTileRows; ++i) {
+            const int64_t row = r + i;
+            uint16_t* o = yt + ((row / kTileRows * y_k_tiles + nb / 2) * kTileRows + row % kTileRows) * kTileK +
+                          nb % 2 * kTileRows;
+            const __m512 v = hasten_attention::silu_mul_fast16(_mm512_load_ps(sums[i]), _mm512_load_ps(sums[i] + 16));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(o), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+          }
+          continue;
+        }
         float* out = yp + r * inter + nb * kTileRows;
         for (int64_t i = 0; i < 2 * kTileRows; ++i)
           _mm512_storeu_ps(out + i * inter,
@@ -269,7 +296,7 @@ at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed,
     }
     _tile_release();
   });
-  return y.narrow(0, 0, m);
+  return tiles_out ? y : y.narrow(0, 0, m);
 #else
   return at::Tensor();  // (tile_rows_of has refused)
 #endif

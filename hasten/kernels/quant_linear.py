@@ -192,7 +192,11 @@ def bf16_tiles_linear(x: torch.Tensor, packed: torch.Tensor, stream: bool = True
     return _module().bf16_tiles_linear(x, packed, stream)
 
 
-def bf16_tiles_linear_silu(x: torch.Tensor, packed: torch.Tensor, stream: bool = True) -> torch.Tensor:
+def bf16_tiles_linear_silu(x: torch.Tensor, packed: torch.Tensor, stream: bool = True,
+                           tiles_out: bool = False) -> torch.Tensor:
     """silu(gate) * up of [gate | up] = bf16_tiles_linear(x, packed) (N = 2 I, I a multiple of 16), taken
-    from the output tiles: bit-identical to silu_mul(bf16_tiles_linear(x, packed), fast=True), [M, I]."""
-    return _module().bf16_tiles_linear_silu(x, packed, stream)
+    from the output tiles: bit-identical to silu_mul(bf16_tiles_linear(x, packed), fast=True), [M, I].
+    tiles_out (stream, I a multiple of 32): rounded to bfloat16 in the tile order bf16_tiles_linear reads
+    x in, [M_pad / 16, I / 32, 16, 32] (M_pad: M rounded up to 32; its extra rows zero), which
+    bf16_tiles_linear takes as x as it is (its output then has M_pad rows)."""
+    return _module().bf16_tiles_linear_silu(x, packed, stream, tiles_out)

@@ -113,7 +113,8 @@ def engine(model: str, **options) -> LLM:
 
 @needs_kernels
 @pytest.mark.parametrize("options", [{}, {"quant_int4_kernel": "hasten-q8"}, {"quantization": "int8"},
-                                     {"quant_method": "awq"}, {"quant_bf16_gemm_silu": False}])
+                                     {"quant_method": "awq"}, {"quant_bf16_gemm_silu": False},
+                                     {"quant_bf16_gemm_stream": False}])
 def test_the_cpp_loop_takes_the_bf16_path_bit_identically(tiny_model, options):
     """(On AMX CPUs the C++ loop's gate_up calls take SiLU from their output tiles unless
     quant_bf16_gemm_silu is off; the Python loop never does: the same bits either way.)"""

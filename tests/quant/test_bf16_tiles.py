@@ -100,6 +100,31 @@ def test_stream_is_the_row_major_path_bit_for_bit(m, n, k):
                                    equal_nan=True)
 
 
+@needs_tiles
+@pytest.mark.parametrize("m,k,inter", [(1, 32, 32), (31, 64, 96), (64, 96, 64), (300, 576, 1536)])
+def test_silu_hands_down_its_x_in_tile_order(m, k, inter):
+    gen = torch.Generator().manual_seed(m * 7 + k + inter)
+    x = torch.randn(m, k, generator=gen) * 3
+    gate_up = quant_linear.bf16_tiles_pack(torch.randn(2 * inter, k, generator=gen) * 0.1)
+    down = quant_linear.bf16_tiles_pack(torch.randn(48, inter, generator=gen) * 0.1)
+    act = quant_linear.bf16_tiles_linear_silu(x, gate_up)
+    tiles = quant_linear.bf16_tiles_linear_silu(x, gate_up, tiles_out=True)
+    m_pad = (m + 31) // 32 * 32
+    assert tiles.shape == (m_pad // 16, inter // 32, 16, 32) and tiles.dtype == torch.bfloat16
+    # the values are act's own rounding, rows past m zero
+    rows = tiles.permute(0, 2, 1, 3).reshape(m_pad, inter)
+    assert torch.equal(rows[:m], act.to(torch.bfloat16)) and not rows[m:].any()
+    y = quant_linear.bf16_tiles_linear(tiles, down)
+    assert y.shape == (m_pad, 48) and torch.equal(y[:m], quant_linear.bf16_tiles_linear(act, down))
+    with pytest.raises(RuntimeError, match="tile order"):
+        quant_linear.bf16_tiles_linear(tiles, down, stream=False)
+    with pytest.raises(RuntimeError, match="tile order"):
+        quant_linear.bf16_tiles_linear(tiles[:1].contiguous(), down)  # 16 rows
+    if inter % 32 == 0:
+        with pytest.raises(RuntimeError, match="tiles_out needs stream"):
+            quant_linear.bf16_tiles_linear_silu(x, gate_up, stream=False, tiles_out=True)
+
+
 @needs_kernels
 def test_layers_pass_the_stream_switch_on():
     gen = torch.Generator().manual_seed(9)
