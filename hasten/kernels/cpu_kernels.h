@@ -70,6 +70,7 @@ bool attention_bf16_pv_has_tiles();
 // decoder_ops_cpu.cpp: the glue between a layer's matmuls
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, double eps);
+at::Tensor rms_norm_tiles(at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& w, double eps);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& positions, const at::Tensor& slots, at::Tensor& k_cache,
                           at::Tensor& v_cache, int64_t heads, int64_t kv_heads);

@@ -242,11 +242,15 @@ class DecoderLoop {
     const int64_t qd = heads_ * d_, kd = kv_heads_ * d_;
     PartTimer timer(profiling_ ? &totals_ : nullptr);
     at::Tensor h = embed_.index_select(0, input_ids);  // the residual stream, updated in place
-    at::Tensor x = rms_norm(h, layers_[0].input_norm, eps_);
+    // a norm whose rows go to one call on bf16_tiles_linear with stream hands them over in its tile order
+    auto tiles_in = [](const Linear& lin, int64_t rows) { return lin.bf16_stream && lin.takes_bf16_tiles(rows); };
+    at::Tensor x = tiles_in(layers_[0].qkv, h.size(0)) ? rms_norm_tiles(h, std::nullopt, layers_[0].input_norm, eps_)
+                                                       : rms_norm(h, layers_[0].input_norm, eps_);
     timer.mark(kNorms);
     for (int64_t i = 0; i < L; ++i) {
       const Layer& lw = layers_[i];
-      at::Tensor qkv = contiguous(lw.qkv(x));
+      at::Tensor qkv = x.dim() == 4 ? bf16_tiles_linear(x, *lw.qkv.bf16_weight, true).narrow(0, 0, h.size(0))
+                                    : contiguous(lw.qkv(x));
       if (lw.q_norm) {  // Qwen3: per-head RMSNorm of q and k before RoPE
         const int64_t t = qkv.size(0);
         at::Tensor q = rms_norm(qkv.slice(1, 0, qd).reshape({-1, d_}), *lw.q_norm, eps_).view({t, qd});
@@ -269,19 +273,21 @@ class DecoderLoop {
       timer.mark(kAttention);
       at::Tensor o = contiguous(lw.o(attn));
       timer.mark(kO);
-      x = add_rms_norm(h, o, lw.post_norm, eps_);
-      timer.mark(kNorms);
-      const bool fast = lw.down.takes_bf16(x.size(0)) || (fast_silu_ && lw.down.rounds_input);
-      at::Tensor act;
+      const int64_t rows = h.size(0);
+      const bool fast = lw.down.takes_bf16(rows) || (fast_silu_ && lw.down.rounds_input);
       const Linear& gu = lw.gate_up;
-      const int64_t rows = x.size(0);
+      const bool silu_tiles = gemm_silu_ && fast && gu.takes_bf16_tiles(rows);
+      x = silu_tiles && gu.bf16_stream ? rms_norm_tiles(h, o, lw.post_norm, eps_) : add_rms_norm(h, o, lw.post_norm, eps_);
+      timer.mark(kNorms);
+      at::Tensor act;
       bool handed = false;  // act is down's x, in tile order
-      if (gemm_silu_ && fast && gu.takes_bf16_tiles(rows)) {
+      if (silu_tiles) {
         // down on the same tiles, both with stream: gate_up hands it its x already rounded and in tile order
         handed = gu.bf16_stream && lw.down.bf16_stream && lw.down.takes_bf16_tiles(rows) &&
                  lw.down.bf16_weight->size(1) * 32 == gu.bf16_weight->size(0) * 8;
         act = bf16_tiles_linear_silu(contiguous(x), *gu.bf16_weight, gu.bf16_stream, handed);  // the same values,
-        timer.mark(kGateUp);                                                                   // one pass
+        if (x.dim() == 4 && !handed) act = act.narrow(0, 0, rows);                             // one pass
+        timer.mark(kGateUp);
       } else if (u8_silu_ && fast && gu.takes_u8_alone(x.size(0)) && gu.out_features % 32 == 0) {
         const auto& u8 = *gu.u8_weight;  // the same values, one pass
         act = u8_linear_q8_gemm_silu(contiguous(x), u8[0], u8[1], u8[2], gu.out_features, gu.u8_x_runs,
@@ -299,7 +305,9 @@ class DecoderLoop {
       at::Tensor down = handed ? bf16_tiles_linear(act, *lw.down.bf16_weight, true).narrow(0, 0, rows)
                                : contiguous(lw.down(act));
       timer.mark(kDown);
-      x = add_rms_norm(h, down, i + 1 < L ? layers_[i + 1].input_norm : final_norm_, eps_);
+      x = i + 1 < L && tiles_in(layers_[i + 1].qkv, rows) ? rms_norm_tiles(h, down, layers_[i + 1].input_norm, eps_)
+                                                          : add_rms_norm(h, down, i + 1 < L ? layers_[i + 1].input_norm
+                                                                                            : final_norm_, eps_);
       timer.mark(kNorms);
     }
     if (profiling_) ++profiled_calls_;
@@ -443,6 +451,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build takes int8_rows' P V in AVX512-BF16 dot products (paged_attention's int8_bf16_pv)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, nogil, "h += delta in place, then RMSNorm of each row of h");
+  m.def(
+      "rms_norm_tiles",
+      [](at::Tensor h, const at::Tensor& w, double eps, std::optional<at::Tensor> delta) {
+        return rms_norm_tiles(h, delta, w, eps);
+      },
+      nogil, arg("h"), arg("w"), arg("eps"), arg("delta") = py::none(),
+      "RMSNorm of each float32 row of h (after h += delta in place, given delta), rounded to bfloat16 in "
+      "bf16_tiles_linear's tile order [M_pad / 16, hidden / 32, 16, 32] (rows past M zero)");
   m.def("rope_and_cache", &rope_and_cache, nogil, "rotary embedding of q and k; k and v written to their cache slots");
   m.def("silu_mul", &silu_mul, nogil, arg("gate_up"), arg("fast") = false,
         "silu(gate) * up; fast: float32 with a vectorized exp (~2 ulp), for rows then rounded to bfloat16");

@@ -4,6 +4,8 @@
 //
 //   rms_norm(x, w, eps)               -> w * (x * rsqrt(mean(x^2) + eps)), in float32, cast back
 //   add_rms_norm(h, delta, w, eps)    -> h += delta (in place), then rms_norm(h, w, eps)
+//   rms_norm_tiles(h, delta, w, eps)  -> the same (the add only with delta), float32, rounded to bfloat16
+//                                        in bf16_tiles_linear's tile order (its x as it takes it)
 //   rope_and_cache(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
 //                                     -> q [T, H, D] rotated; rotated k and v written to their slots
 //                                        (caches in qkv's dtype, or float16 / bfloat16)
@@ -65,13 +67,12 @@ inline double sum_of_squares(const scalar_t* x, int64_t n) {
   return ss;
 }
 
-// RMSNorm of each row of x into out. With `delta`, each row first takes x += delta in place (the
-// residual add; x is then writable), in the same pass over the threads' rows: the row is still in
-// L1 when it is normed, and the add no longer runs on one thread (60 adds of 512 x 576 floats were
-// most of a prefill step's norm time).
-template <typename scalar_t>
-void rms_rows(scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* out, int64_t rows, int64_t n,
-              float eps) {
+// RMSNorm of each row of x, handed to `store(r, row, inv)` (inv: the row's 1 / rms). With `delta`,
+// each row first takes x += delta in place (the residual add; x is then writable), in the same pass
+// over the threads' rows: the row is still in L1 when it is normed, and the add no longer runs on one
+// thread (60 adds of 512 x 576 floats were most of a prefill step's norm time).
+template <typename scalar_t, typename Store>
+void rms_rows_into(scalar_t* x, const scalar_t* delta, int64_t rows, int64_t n, float eps, const Store& store) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* xr = x + r * n;
@@ -81,12 +82,46 @@ void rms_rows(scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* o
       }
       const double ss = sum_of_squares(xr, n);
       const float mean = static_cast<float>(ss / static_cast<double>(n));
-      const float inv = 1.0f / std::sqrt(mean + eps);
-      scalar_t* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t h = round_to<scalar_t>(static_cast<float>(xr[i]) * inv);
-        o[i] = round_to<scalar_t>(static_cast<float>(w[i]) * static_cast<float>(h));
+      store(r, static_cast<const scalar_t*>(xr), 1.0f / std::sqrt(mean + eps));
+    }
+  });
+}
+
+// ... into out, w * (x * inv) in the tensor's dtype
+template <typename scalar_t>
+void rms_rows(scalar_t* x, const scalar_t* delta, const scalar_t* w, scalar_t* out, int64_t rows, int64_t n,
+              float eps) {
+  rms_rows_into(x, delta, rows, n, eps, [&](int64_t r, const scalar_t* xr, float inv) {
+    scalar_t* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t h = round_to<scalar_t>(static_cast<float>(xr[i]) * inv);
+      o[i] = round_to<scalar_t>(static_cast<float>(w[i]) * static_cast<float>(h));
+    }
+  });
+}
+
+// ... float32 rows, their w * (x * inv) rounded to bfloat16 (to nearest even) into bf16_tiles_linear's
+// tile order: row r's values 32 k .. 32 k + 31 at tiles[r / 16][k][r % 16] ([rows / 16, n / 32, 16, 32])
+void rms_rows_tiles(float* x, const float* delta, const float* w, uint16_t* tiles, int64_t rows, int64_t n,
+                    float eps) {
+  const int64_t k_tiles = n / 32;
+  rms_rows_into(x, delta, rows, n, eps, [&](int64_t r, const float* xr, float inv) {
+    uint16_t* row = tiles + ((r / 16) * k_tiles * 16 + r % 16) * 32;
+    for (int64_t kb = 0; kb < k_tiles; ++kb) {
+      uint16_t* o = row + kb * 16 * 32;
+      const int64_t i0 = kb * 32;
+#if defined(__AVX512BF16__)
+      const __m512 vi = _mm512_set1_ps(inv);
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(w + i0), _mm512_mul_ps(_mm512_loadu_ps(xr + i0), vi));
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(w + i0 + 16), _mm512_mul_ps(_mm512_loadu_ps(xr + i0 + 16), vi));
+      _mm512_storeu_si512(o, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+#else
+      for (int64_t i = 0; i < 32; ++i) {
+        const float v = w[i0 + i] * (xr[i0 + i] * inv);
+        const c10::BFloat16 b(v);
+        std::memcpy(o + i, &b, 2);
       }
+#endif
     }
   });
 }
@@ -119,6 +154,21 @@ at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor
                        out.data_ptr<scalar_t>(), h.size(0), h.size(1), static_cast<float>(eps));
   });
   return out;
+}
+
+at::Tensor rms_norm_tiles(at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& w, double eps) {
+  check_rows(h, w);
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.size(1) % 32 == 0, "rms_norm_tiles: float32 rows of a multiple of 32");
+  TORCH_CHECK(!delta || (delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type() && delta->is_contiguous()),
+              "delta must match h");
+  const int64_t rows = h.size(0), n = h.size(1), rows_pad = (rows + 31) / 32 * 32;
+  auto tiles = at::empty({rows_pad / 16, n / 32, 16, 32}, h.options().dtype(at::kBFloat16));
+  uint16_t* t = reinterpret_cast<uint16_t*>(tiles.data_ptr<at::BFloat16>());
+  rms_rows_tiles(h.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr, w.data_ptr<float>(), t, rows, n,
+                 static_cast<float>(eps));
+  for (int64_t r = rows; r < rows_pad; ++r)  // the padding rows: zero
+    for (int64_t kb = 0; kb < n / 32; ++kb) std::memset(t + (((r / 16) * (n / 32) + kb) * 16 + r % 16) * 32, 0, 64);
+  return tiles;
 }
 
 // q rotated into `q`; k rotated and v copied into their cache slots, converted to the cache's

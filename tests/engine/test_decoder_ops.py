@@ -32,6 +32,32 @@ def test_rms_norm_and_residual(dtype, tol, rows, width):
     assert torch.allclose(got.float(), rms_norm(x + delta, w, 1e-5).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows,width", [(1, 32), (31, 64), (33, 576), (300, 128)])
+def test_rms_norm_into_tiles_is_the_norm_rounded_to_bfloat16(rows, width):
+    """rms_norm_tiles: add_rms_norm's (or rms_norm's) float32 values rounded to bfloat16 in
+    bf16_tiles_linear's tile order, rows past the last zero, the residual updated the same way."""
+    gen = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, width, generator=gen) * 3
+    w = torch.rand(width, generator=gen) + 0.5
+    delta = torch.randn(rows, width, generator=gen)
+    pad = (rows + 31) // 32 * 32
+
+    def rows_of(tiles: torch.Tensor) -> torch.Tensor:
+        assert tiles.shape == (pad // 16, width // 32, 16, 32) and tiles.dtype == torch.bfloat16
+        return tiles.permute(0, 2, 1, 3).reshape(pad, width)
+
+    plain = rows_of(ops.rms_norm_tiles(x.clone(), w, 1e-5))
+    assert torch.equal(plain[:rows], ops.rms_norm(x, w, 1e-5).to(torch.bfloat16)) and not plain[rows:].any()
+    h1, h2 = x.clone(), x.clone()
+    added = rows_of(ops.rms_norm_tiles(h1, w, 1e-5, delta))
+    want = ops.add_rms_norm(h2, delta, w, 1e-5)
+    assert torch.equal(h1, h2) and torch.equal(added[:rows], want.to(torch.bfloat16)) and not added[rows:].any()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.rms_norm_tiles(torch.randn(4, 48), torch.ones(48), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm_tiles(x.to(torch.bfloat16), w.to(torch.bfloat16), 1e-5)
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 5), (4, 4, 16, 33), (8, 1, 128, 1)])
 def test_rope_and_cache(dtype, tol, heads, kv_heads, head_dim, tokens):
