@@ -47,12 +47,10 @@ inline bool amx_attention_ready() {
   return hasten_amx::amx_ready(hasten_amx::kAmxInt8 | hasten_amx::kAmxBf16);
 }
 
-inline void configure_attention_tiles() { hasten_amx::configure_16x64_tiles(); }  // kAmxRows x 64 bytes
-
 // `rows` <= 16 query rows (codes q + 128 at qcodes, D bytes per row, 16 rows readable; scales sq;
 // newest visible key positions last) over the units up to the newest any of them sees (`unit_base` +
 // u * unit_stride bytes each, their value pairs from `pairs`); writes their normalised outputs (D
-// floats) to out[r]. The tiles must be configured (configure_attention_tiles).
+// floats) to out[r]. The tiles must be configured (hasten_amx::configure_16x64_tiles).
 template <int DT>  // D = 64 DT
 inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int rows,
                              const uint8_t* unit_base, int64_t unit_stride, const uint16_t* pairs,
@@ -172,7 +170,7 @@ inline void attend_block_amx(const uint8_t* qcodes, const float* sq, const int64
 inline void attend_int8_rows_amx(const uint8_t* qcodes, const float* sq, const int64_t* last, int64_t rows, int64_t D,
                                  const uint8_t* unit_base, int64_t unit_stride, const uint16_t* pairs,
                                  float* const* out) {
-  configure_attention_tiles();
+  hasten_amx::configure_16x64_tiles();  // kAmxRows rows of 64 bytes each
   for (int64_t r = 0; r < rows; r += kAmxRows) {
     const int n = static_cast<int>(std::min<int64_t>(kAmxRows, rows - r));
     if (D == 64)

@@ -45,6 +45,10 @@ at::Tensor bf16_tiles_pack(const at::Tensor& weight);
 at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed, bool stream);
 at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed, bool stream, bool tiles_out);
 bool bf16_tiles_available();
+// bf16_tiles_linear's x in tile order, bfloat16 [M / 16, K / 32, 16, 32] (written by its own stream copy,
+// rms_norm_tiles and bf16_tiles_linear_silu's tiles_out): the element offset of row r's first 32 values;
+// those of k tile kb lie kb * 512 further on
+inline int64_t bf16_tile_row(int64_t r, int64_t k_tiles) { return ((r / 16) * k_tiles * 16 + r % 16) * 32; }
 
 // paged_attention_cpu.cpp (window > 0: sliding-window attention; softcap > 0: soft-capped scores;
 // wide_rows > 0: sequences with that many new tokens in bfloat16 SDPA; int8_rows > 0: sequences with

@@ -106,7 +106,7 @@ void rms_rows_tiles(float* x, const float* delta, const float* w, uint16_t* tile
                     float eps) {
   const int64_t k_tiles = n / 32;
   rms_rows_into(x, delta, rows, n, eps, [&](int64_t r, const float* xr, float inv) {
-    uint16_t* row = tiles + ((r / 16) * k_tiles * 16 + r % 16) * 32;
+    uint16_t* row = tiles + bf16_tile_row(r, k_tiles);
     for (int64_t kb = 0; kb < k_tiles; ++kb) {
       uint16_t* o = row + kb * 16 * 32;
       const int64_t i0 = kb * 32;
@@ -167,7 +167,7 @@ at::Tensor rms_norm_tiles(at::Tensor& h, const std::optional<at::Tensor>& delta,
   rms_rows_tiles(h.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr, w.data_ptr<float>(), t, rows, n,
                  static_cast<float>(eps));
   for (int64_t r = rows; r < rows_pad; ++r)  // the padding rows: zero
-    for (int64_t kb = 0; kb < n / 32; ++kb) std::memset(t + (((r / 16) * (n / 32) + kb) * 16 + r % 16) * 32, 0, 64);
+    for (int64_t kb = 0; kb < n / 32; ++kb) std::memset(t + bf16_tile_row(r, n / 32) + kb * 16 * 32, 0, 64);
   return tiles;
 }
 

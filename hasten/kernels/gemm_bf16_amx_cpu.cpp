@@ -45,9 +45,6 @@ constexpr int64_t kAheadMinRows = 64;
 
 bool amx_ready() { return hasten_amx::amx_ready(hasten_amx::kAmxBf16); }
 
-// every tile 16 rows of 64 bytes (C: 16 float32 sums per row; x: 32 bfloat16; weight: 16 pairs per row)
-void configure_tiles() { hasten_amx::configure_16x64_tiles(); }
-
 // The lines of the weight blocks a thread takes next (two runs of `lines` lines each), requested a
 // few per k step of the current blocks' tiles, so that they are in L2 when their turn comes.
 struct NextBlocks {
@@ -183,7 +180,7 @@ at::Tensor tile_rows_of(const at::Tensor& x, int64_t k, bool stream, const char*
       for (int64_t i = 0; i < kTileRows; ++i) {
         const int64_t row = rb * kTileRows + i;
         for (int64_t kb = 0; kb < k_tiles; ++kb) {
-          uint16_t* o = xo + ((rb * k_tiles + kb) * kTileRows + i) * kTileK;
+          uint16_t* o = xo + bf16_tile_row(row, k_tiles) + kb * kTileRows * kTileK;
           __m512i v = _mm512_setzero_si512();
           if (row < m) {  // round to nearest even, as at::Tensor's conversion
             const float* src = xf + row * k + kb * kTileK;
@@ -213,7 +210,7 @@ at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& packed, bool
   const int64_t y_stride = n * 4, block = k_tiles * kTileRows * kTileK;
   const int64_t pairs = (n_blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    hasten_amx::configure_16x64_tiles();  // C: 16 float32 sums per row; x: 32 bfloat16; weight: 16 pairs
     NextBlocks next;
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t nb = 2 * pair;
@@ -267,7 +264,7 @@ at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed,
   const int64_t y_k_tiles = inter / kTileK;
   const int64_t block = k_tiles * kTileRows * kTileK;
   at::parallel_for(0, inter_blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    hasten_amx::configure_16x64_tiles();  // C: 16 float32 sums per row; x: 32 bfloat16; weight: 16 pairs
     NextBlocks next;
     alignas(64) float sums[2 * kTileRows][2 * kTileRows];  // per row: 16 of gate, then 16 of up
     for (int64_t nb = begin; nb < end; ++nb) {
@@ -281,8 +278,7 @@ at::Tensor bf16_tiles_linear_silu(const at::Tensor& x, const at::Tensor& packed,
         if (yt) {  // rows r .. r + 31 of k tile nb / 2 of down's x, half nb % 2 of each row's 32 values
           for (int64_t i = 0; i < 2 * kTileRows; ++i) {
             const int64_t row = r + i;
-            uint16_t* o = yt + ((row / kTileRows * y_k_tiles + nb / 2) * kTileRows + row % kTileRows) * kTileK +
-                          nb % 2 * kTileRows;
+            uint16_t* o = yt + bf16_tile_row(row, y_k_tiles) + nb / 2 * kTileRows * kTileK + nb % 2 * kTileRows;
             const __m512 v = hasten_attention::silu_mul_fast16(_mm512_load_ps(sums[i]), _mm512_load_ps(sums[i] + 16));
             _mm256_store_si256(reinterpret_cast<__m256i*>(o), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
           }
